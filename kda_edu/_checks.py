@@ -1,0 +1,185 @@
+"""Input validation shared by every public function of kda_edu.
+
+Every model in the book, from softmax attention to KDA, reads the same layout:
+
+    q, k           [B, T, H, K]    queries and keys, H query/key heads
+    v              [B, T, HV, V]   values, HV value heads, HV a multiple of H (grouped values:
+                                   value head j reads query/key head j // (HV // H))
+    g              [B, T, HV, K]   KDA: one log-space decay per value head, step and key channel, <= 0
+                   [B, T, HV]      Gated DeltaNet: one log-space decay per value head and step, <= 0
+    beta           [B, T, HV]      delta-rule write strength in [0, 1]
+    initial_state  [B, HV, K, V]   float32, or float64 when q, k, v are float64
+
+`check_kda_inputs` checks all of it once, at the public boundary, and raises a `TypeError` (wrong type or
+dtype) or `ValueError` (wrong rank, shape, device or value) whose message names the argument and what was
+expected. The functions behind the boundary trust their inputs.
+"""
+
+import math
+from numbers import Real
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the reference implementations compute and keep their state in.
+
+    float64 inputs are computed in float64 (so the references can be checked to ~1e-12); everything else is
+    computed in float32, as the recurrent state always is.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _require_tensor(name: str, x, expected: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {expected}, got {type(x).__name__}")
+
+
+def _require_float(name: str, x: torch.Tensor, expected: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} of shape {expected} must have a floating dtype, got {x.dtype}")
+
+
+def _require_shape(name: str, x: torch.Tensor, expected: str, shape: tuple) -> None:
+    if x.dim() != len(shape):
+        raise ValueError(
+            f"{name} must have rank {len(shape)}, shape {expected} = {shape}, got {tuple(x.shape)}"
+        )
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {expected} = {shape}, got {tuple(x.shape)}")
+
+
+def _require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({device}), got {x.device}")
+
+
+def check_kda_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    initial_state: torch.Tensor | None = None,
+    *,
+    gate: str | None = "channel",
+    with_beta: bool = True,
+    check_values: bool = True,
+    state_name: str = "initial_state",
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the inputs of a KDA-family function and return its sizes.
+
+    Args:
+        q: queries `[B, T, H, K]`, floating dtype.
+        k: keys `[B, T, H, K]`, same dtype as q.
+        v: values `[B, T, HV, V]`, same dtype as q, `HV % H == 0`.
+        g: log-space decay, any floating dtype, values `<= 0`. Its shape depends on `gate`:
+            `"channel"` (KDA) `[B, T, HV, K]`; `"head"` (Gated DeltaNet) `[B, T, HV]`; `None` (models without
+            decay) `g` must be None.
+        beta: write strength `[B, T, HV]`, any floating dtype, values in `[0, 1]`; must be None when
+            `with_beta` is False.
+        initial_state: optional state `[B, HV, K, V]` in `compute_dtype(q.dtype)`: float32, or float64 when q
+            is float64. States are never kept in half precision.
+        gate: which shape `g` has, see above.
+        with_beta: whether the model has a `beta` input.
+        check_values: check `g <= 0` and `0 <= beta <= 1`. This costs one reduction per tensor and, on a GPU,
+            a device-to-host sync; callers on a hot path (kernel launchers) may pass False and keep the shape,
+            dtype and device checks, which read only metadata.
+        state_name: the argument name used in messages about `initial_state` (`kda_step` calls it `state`).
+
+    Returns:
+        `(B, T, H, HV, K, V)`.
+
+    Raises:
+        TypeError: an input is not a tensor, or has the wrong dtype.
+        ValueError: an input has the wrong rank, shape or device, or `g`/`beta` are out of range.
+    """
+    _require_tensor("q", q, "[B, T, H, K]")
+    if q.dim() != 4:
+        raise ValueError(f"q must have rank 4, shape [B, T, H, K], got {tuple(q.shape)}")
+    if q.numel() == 0:
+        raise ValueError(f"q must have no empty dimension in [B, T, H, K], got {tuple(q.shape)}")
+    _require_float("q", q, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    device = q.device
+
+    _require_tensor("k", k, "[B, T, H, K]")
+    _require_shape("k", k, "[B, T, H, K]", (B, T, H, K))
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have the same dtype as q ({q.dtype}), got {k.dtype}")
+    _require_device("k", k, device)
+
+    _require_tensor("v", v, "[B, T, HV, V]")
+    if v.dim() != 4:
+        raise ValueError(f"v must have rank 4, shape [B, T, HV, V], got {tuple(v.shape)}")
+    if v.dtype != q.dtype:
+        raise TypeError(f"v must have the same dtype as q ({q.dtype}), got {v.dtype}")
+    _require_device("v", v, device)
+    HV, V = v.shape[2], v.shape[3]
+    if tuple(v.shape[:2]) != (B, T) or HV == 0 or V == 0 or HV % H != 0:
+        raise ValueError(
+            f"v must have shape [B, T, HV, V] = ({B}, {T}, HV, V) with HV a positive multiple of H = {H}, "
+            f"got {tuple(v.shape)}"
+        )
+
+    if gate is None:
+        if g is not None:
+            raise TypeError("g must be None: this model has no decay gate")
+    else:
+        expected = {"channel": ("[B, T, HV, K]", (B, T, HV, K)), "head": ("[B, T, HV]", (B, T, HV))}[gate]
+        _require_tensor("g", g, expected[0])
+        _require_shape("g", g, *expected)
+        _require_float("g", g, expected[0])
+        _require_device("g", g, device)
+
+    if not with_beta:
+        if beta is not None:
+            raise TypeError("beta must be None: this model has no write strength")
+    else:
+        _require_tensor("beta", beta, "[B, T, HV]")
+        _require_shape("beta", beta, "[B, T, HV]", (B, T, HV))
+        _require_float("beta", beta, "[B, T, HV]")
+        _require_device("beta", beta, device)
+
+    if initial_state is not None:
+        _require_tensor(state_name, initial_state, "[B, HV, K, V]")
+        _require_shape(state_name, initial_state, "[B, HV, K, V]", (B, HV, K, V))
+        state_dtype = compute_dtype(q.dtype)
+        if initial_state.dtype != state_dtype:
+            raise TypeError(
+                f"{state_name} of shape [B, HV, K, V] must be {state_dtype} for {q.dtype} inputs, "
+                f"got {initial_state.dtype}"
+            )
+        _require_device(state_name, initial_state, device)
+
+    if check_values:
+        if g is not None and g.max() > 0:
+            raise ValueError(f"g must be <= 0 (a log-space decay), got max(g) = {g.max().item():.4g}")
+        if beta is not None:
+            lo, hi = torch.aminmax(beta)
+            if lo < 0 or hi > 1:
+                raise ValueError(f"beta must lie in [0, 1], got values in [{lo.item():.4g}, {hi.item():.4g}]")
+
+    return B, T, H, HV, K, V
+
+
+def resolve_scale(scale: float | None, K: int) -> float:
+    """The query scale: `K ** -0.5` when `scale` is None, else `scale` as a float (must be finite and > 0)."""
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return float(scale)
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    """Return `chunk_size` after checking it is a positive int."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size

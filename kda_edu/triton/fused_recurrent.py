@@ -1,0 +1,257 @@
+"""The recurrent KDA kernel: one token at a time, the kernel that serves decoding.
+
+KDA keeps, for every value head, a state ``S`` of shape ``[K, V]``. For each token ``t``:
+
+    S   <- diag(exp(g_t)) S                         decay, one factor per key channel
+    S   <- S + beta_t k_t (v_t - S^T k_t)^T         delta rule: move S^T k_t towards v_t
+    o_t  = S^T (scale * q_t)                        read out
+
+During decoding ``T`` is 1 and there is nothing to chunk: the work per token is a handful of
+multiply-adds per state entry, while the state itself (``K * V`` fp32 numbers per head) has to
+come from memory and go back. So the kernel is memory-bound, and the best it can do is read
+the state once and write it once. Its design follows from that:
+
+* One program owns the state tile ``S[:, j0:j0 + BV]`` of one (sequence, value head): all ``K``
+  rows, a block of ``BV`` value columns. Every step above is column-wise independent (the
+  decay scales rows, ``S^T k`` and ``S^T q`` reduce over rows), so value blocks never talk to
+  each other and the grid is ``(V / BV, N * HV)``: with B = 64, HV = 32, V = 128 and BV = 32
+  that is 8192 programs, plenty to fill every SM.
+* The tile lives in registers for the whole sequence: loaded once before the time loop,
+  stored once after it. Per token only ``q_t``, ``k_t``, ``g_t`` (``K`` numbers), ``v_t``
+  (``BV`` numbers) and ``beta_t`` are read, and ``o_t`` (``BV`` numbers) written.
+* There is no matrix product: ``S^T k`` is an elementwise product reduced over the key axis
+  (``tl.sum``), which also keeps the kernel exact under Triton's CPU interpreter.
+* With ``inplace_final_state=True`` the final state is stored over the initial one. Each
+  program reads its tile before writing it and no two programs share a tile, so this is safe,
+  and a decoding loop needs no new state allocation per step.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_edu._backend import interpreting
+from kda_edu._checks import check_kda_inputs, resolve_scale
+
+__all__ = ["fused_recurrent_kda"]
+
+
+@triton.jit
+def _fused_recurrent_kda_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    h0_ptr, ht_ptr, cu_seqlens_ptr,
+    scale,
+    T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)  # grouped values: HV // H value heads share one q/k head
+
+    # The tokens of sequence i_n: a slice of the single flattened batch row when varlen,
+    # otherwise row i_n of the batch. Offsets are int64: B * T * HV * V can pass 2**31.
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+
+    # The state tile [BK, BV]; padded rows and columns stay exactly zero throughout, since the
+    # masked loads below fill k, q and v with zeros there.
+    state_offs = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    if HAS_INITIAL_STATE:
+        S = tl.load(h0_ptr + state_offs, mask=mask_kv, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for t in range(bos, eos):
+        qk_row = (t * H + i_h) * K
+        vh_row = t * HV + i_hv
+        q = tl.load(q_ptr + qk_row + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + qk_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + vh_row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + vh_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + vh_row).to(tl.float32)
+
+        S = S * tl.exp(g)[:, None]
+        u = beta * (v - tl.sum(S * k[:, None], axis=0))  # beta (v - S^T k), shape [BV]
+        S = S + k[:, None] * u[None, :]
+        o = tl.sum(S * q[:, None], axis=0)  # S^T (scale q), shape [BV]
+        tl.store(o_ptr + vh_row * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht_ptr + state_offs, S, mask=mask_kv)
+
+
+def _default_config(K: int, V: int) -> tuple[int, int]:
+    """Value block and warps: keep the fp32 state tile at 4096 numbers (16 KiB, 32 per thread).
+
+    Smaller tiles mean more programs for the same state, which is what a decoding batch needs
+    to keep every SM busy while it streams the state through.
+    """
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), max(4096 // BK, 16))
+    return BV, 4
+
+
+def _validate_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, device: torch.device) -> int:
+    """Check FlashAttention-style cumulative lengths; return the number of sequences N."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with N + 1 >= 2 entries [0, ..., T], got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, but the inputs are on {device}")
+    if B != 1:
+        raise ValueError(
+            f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B = {B}"
+        )
+    # One small device-to-host copy; it is what makes a bad cu_seqlens an error, not a bad read.
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu[0]} ... {cu[-1]}")
+    if any(cu[i + 1] < cu[i] for i in range(len(cu) - 1)):
+        raise ValueError(f"cu_seqlens must be nondecreasing, got {cu}")
+    return len(cu) - 1
+
+
+def _check_varlen_state(initial_state, N: int, HV: int, K: int, V: int, device: torch.device) -> None:
+    """With cu_seqlens there is one state per sequence, [N, HV, K, V], not one per batch row."""
+    if not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+    if tuple(initial_state.shape) != (N, HV, K, V):
+        raise ValueError(
+            f"with cu_seqlens, initial_state must have shape [N, HV, K, V] = {(N, HV, K, V)}, one state per "
+            f"sequence, got {tuple(initial_state.shape)}"
+        )
+    if initial_state.dtype != torch.float32:
+        raise TypeError(f"initial_state must be float32, got {initial_state.dtype}")
+    if initial_state.device != device:
+        raise ValueError(f"initial_state must be on q's device ({device}), got {initial_state.device}")
+
+
+def _fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps):
+    """Launch the kernel on validated, contiguous inputs; write o and (if given) final_state."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = torch.empty_like(v)
+    if N * HV == 0 or V == 0:
+        return o
+    BK = triton.next_power_of_2(K)
+    grid = (triton.cdiv(V, block_v), N * HV)
+    _fused_recurrent_kda_kernel[grid](
+        q, k, v, g, beta, o,
+        initial_state, final_state, cu_seqlens,
+        scale,
+        T,
+        H=H, HV=HV, K=K, V=V,
+        BK=BK, BV=block_v,
+        HAS_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=final_state is not None,
+        IS_VARLEN=cu_seqlens is not None,
+        num_warps=num_warps,
+    )
+    return o
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA, token by token, in one Triton kernel: the decoding path.
+
+    Args:
+        q: queries ``[B, T, H, K]``.
+        k: keys ``[B, T, H, K]``.
+        v: values ``[B, T, HV, V]``; ``HV`` is a multiple of ``H`` and value head ``j`` uses
+            query/key head ``j // (HV // H)``.
+        g: log-space decay ``[B, T, HV, K]`` (``<= 0``), one factor ``exp(g)`` per key channel.
+        beta: delta-rule step sizes ``[B, T, HV]``.
+        scale: multiplies ``q``; defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` state before the first token (zeros if ``None``);
+            ``N = B``, or the number of sequences with ``cu_seqlens``; float32.
+        output_final_state: return the state after the last token, fp32 ``[N, HV, K, V]``.
+        cu_seqlens: int32/int64 ``[N + 1]`` cumulative lengths (0, ..., T, nondecreasing) of
+            ``N`` sequences packed into one batch row (``B`` must be 1), FlashAttention's
+            convention. Each sequence starts from its own initial state and gets its own final
+            state, exactly as if run alone. Zero-length sequences are allowed: their final
+            state is their initial state.
+        inplace_final_state: write the final state over ``initial_state`` instead of a new
+            tensor. ``initial_state`` must then be an fp32 contiguous tensor; it is modified,
+            and the returned ``final_state`` IS that tensor (same storage), whatever
+            ``output_final_state`` says. Meant for decoding loops that keep one state buffer.
+
+    Returns:
+        ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the inputs' dtype; ``final_state`` as
+        described above, or ``None``. Internally everything is computed in fp32.
+
+    Shapes, dtypes, devices and ``cu_seqlens`` are checked; the values of ``g`` (``<= 0``) and
+    ``beta`` are not, since that would cost a device-to-host sync on every decoding step. A
+    ``cu_seqlens`` check does cost one sync (its values decide which memory the kernel reads).
+    """
+    # Shapes, dtypes and devices only: checking g <= 0 and beta in [0, 1] would cost a
+    # device-to-host sync per call, longer than the decoding step itself.
+    B, T, H, HV, K, V = check_kda_inputs(
+        q, k, v, g, beta, initial_state if cu_seqlens is None else None, check_values=False
+    )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"fused_recurrent_kda takes float16, bfloat16 or float32 inputs (it computes in float32), "
+            f"got q of dtype {q.dtype}; use kda_edu.kda.kda_recurrent for float64"
+        )
+    if cu_seqlens is None:
+        N = B
+    else:
+        N = _validate_cu_seqlens(cu_seqlens, B, T, q.device)
+        cu_seqlens = cu_seqlens.contiguous()
+        if initial_state is not None:
+            _check_varlen_state(initial_state, N, HV, K, V, q.device)
+    if inplace_final_state:
+        if initial_state is None:
+            raise ValueError("inplace_final_state=True needs an initial_state to write the final state into")
+        if not initial_state.is_contiguous():
+            raise ValueError(
+                "inplace_final_state=True needs a contiguous initial_state (the kernel writes its storage "
+                "directly); pass initial_state.contiguous() and keep that tensor"
+            )
+        final_state = initial_state
+    elif output_final_state:
+        final_state = q.new_empty(N, HV, K, V, dtype=torch.float32)
+    else:
+        final_state = None
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    scale = resolve_scale(scale, K)
+
+    block_v, num_warps = _default_config(K, V)
+    if interpreting():
+        num_warps = 1
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = _fused_recurrent_fwd(
+        q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps
+    )
+    return o, final_state

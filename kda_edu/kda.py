@@ -18,9 +18,9 @@ query/key head `j // (HV // H)`); g `[B, T, HV, K]` in log space, <= 0; beta `[B
 """
 
 import torch
-import torch.nn.functional as F
 
 from kda_edu._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu._chunks import from_chunks, to_chunks
 from kda_edu.recurrence import general_recurrence
 
 
@@ -174,17 +174,10 @@ def kda_chunked(
     scale = resolve_scale(scale, K)
     C = check_chunk_size(chunk_size)
     dtype = compute_dtype(q.dtype)
-    NC = -(-T // C)  # number of chunks, the last one padded
 
-    def chunks(x: torch.Tensor) -> torch.Tensor:
-        """[B, T, HV, ...] -> [B, HV, NC, C, ...] in the compute dtype, zero-padded to NC * C steps."""
-        x = x.to(dtype).transpose(1, 2)
-        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, NC * C - T))
-        return x.reshape(B, HV, NC, C, *x.shape[3:])
-
-    q = chunks(q.repeat_interleave(HV // H, dim=2)) * scale  # [B, HV, NC, C, K]
-    k = chunks(k.repeat_interleave(HV // H, dim=2))  # [B, HV, NC, C, K]
-    v_c, g, beta = chunks(v), chunks(g), chunks(beta)  # [B, HV, NC, C, V], [.., C, K], [.., C]
+    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
+    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
+    v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C, K], [.., C]
     gc = g.cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]
 
     # Pairwise decays exp(gc_i - gc_j) for j <= i, exact zeros above the diagonal: [B, HV, NC, C, C, K].
@@ -206,9 +199,8 @@ def kda_chunked(
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
     o = []
-    for n in range(NC):
+    for n in range(q.shape[2]):  # the NC chunks, in order
         U = u[:, :, n] - w[:, :, n] @ S  # values written in chunk n: [B, HV, C, V]
         o.append(q_decayed[:, :, n] @ S + Aqk[:, :, n] @ U)
         S = chunk_decay[:, :, n] * S + k_decayed[:, :, n].transpose(-1, -2) @ U
-    o = torch.stack(o, dim=2).reshape(B, HV, NC * C, V)[:, :, :T].transpose(1, 2)
-    return o.to(v.dtype), (S if output_final_state else None)
+    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)

@@ -5,9 +5,10 @@ kernels that keep every intermediate small.
 
 Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, batch, value head), all chunks at once:
     gate cumsum gc, the matrices A (keys against keys) and Aqk (queries against keys), the inverse
-    X = (I + A)^-1 of the unit lower-triangular system (the UT transform), then w = X Diag(beta) (K * exp(gc)),
-    u = X Diag(beta) V, and the two decayed copies the scan needs, qg = scale Q * exp(gc) and
-    kd = K * exp(gc_C - gc). Nothing here depends on the state, so every chunk runs in parallel.
+    X = (I + A)^-1 of the unit lower-triangular system (the UT transform), then
+    w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V, and the two decayed copies the scan needs,
+    qg = scale Q * exp(gc) and kd = K * exp(gc_C - gc). Nothing here depends on the state, so every
+    chunk runs in parallel.
 Kernel 2, `_chunk_scan_kernel`, one program per (value block, batch, value head), chunk after chunk:
     with the state S (K x BV, float32, in registers for the whole sequence)
         U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
@@ -69,7 +70,7 @@ def _load_rows(ptr, t, row_stride, cols, n_cols, T):
 
 @triton.jit
 def _unit_lower_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 for a strictly lower-triangular BC x BC block L, BC = 16: (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    """(I + L)^-1 for a strictly lower-triangular 16 x 16 block L: (I - L)(I + L^2)(I + L^4)(I + L^8)."""
     r = tl.arange(0, BC)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     P = -L
@@ -85,10 +86,27 @@ def _unit_lower_inverse(L, BC: tl.constexpr):
 
 @triton.jit
 def _chunk_prepare_kernel(
-    q, k, v, g, beta,  # inputs, [B, T, H, K] / [B, T, HV, V] / [B, T, HV, K] / [B, T, HV], contiguous
-    w, u, qg, kd, aqk, gl,  # outputs, [B*HV, NT*BT, BK] / [.., BV] / [.., BK] / [.., BK] / [.., BT] / [B*HV, NT, BK]
-    T, H, HV, K, V, scale,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    q,
+    k,
+    v,
+    g,
+    beta,  # inputs, [B, T, H, K] / [B, T, HV, V] / [B, T, HV, K] / [B, T, HV], contiguous
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    gl,  # outputs, [B*HV, NT*BT, BK] / [.., BV] / [.., BK] / [.., BK] / [.., BT] / [B*HV, NT, BK]
+    T,
+    H,
+    HV,
+    K,
+    V,
+    scale,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
     i_n = tl.program_id(0)
@@ -159,7 +177,9 @@ def _chunk_prepare_kernel(
                 pick = (rc == j)[:, None]
                 k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
                 gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-                decay = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]  # rows i < j masked below
+                decay = (
+                    tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+                )  # rows i < j masked below
                 a_dd = tl.where(rc[None, :] == j, tl.sum(k_a * decay, axis=1)[:, None], a_dd)
                 aqk_dd = tl.where(rc[None, :] == j, tl.sum(q_a * decay, axis=1)[:, None], aqk_dd)
         a_dd = tl.where(rc[:, None] > rc[None, :], a_dd, 0.0)
@@ -192,17 +212,36 @@ def _chunk_prepare_kernel(
     tl.store(w + out_t[:, None] * BK + ck[None, :], w_c.to(w.dtype.element_ty))
     tl.store(u + out_t[:, None] * BV + cv[None, :], u_c.to(u.dtype.element_ty))
     tl.store(qg + out_t[:, None] * BK + ck[None, :], (q_all * tl.exp2(gc)).to(qg.dtype.element_ty))
-    tl.store(kd + out_t[:, None] * BK + ck[None, :], (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty))
+    tl.store(
+        kd + out_t[:, None] * BK + ck[None, :],
+        (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
+    )
     tl.store(gl + (i_bh * tl.num_programs(0) + i_n).to(tl.int64) * BK + ck, tl.exp2(gc_end))
 
 
 @triton.jit
 def _chunk_scan_kernel(
-    w, u, qg, kd, aqk, gl,  # from _chunk_prepare_kernel
-    o, h0, ht,  # output [B, T, HV, V]; initial / final state [B, HV, K, V] float32
-    T, HV, K, V, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    gl,  # from _chunk_prepare_kernel
+    o,
+    h0,
+    ht,  # output [B, T, HV, V]; initial / final state [B, HV, K, V] float32
+    T,
+    HV,
+    K,
+    V,
+    NT,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BVP: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -235,7 +274,9 @@ def _chunk_scan_kernel(
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)
 
         o_mask = (t[:, None] < T) & (cv[None, :] < V)
-        tl.store(o_bh + t[:, None].to(tl.int64) * HV * V + cv[None, :], o_n.to(o.dtype.element_ty), mask=o_mask)
+        tl.store(
+            o_bh + t[:, None].to(tl.int64) * HV * V + cv[None, :], o_n.to(o.dtype.element_ty), mask=o_mask
+        )
 
     if STORE_HT:
         tl.store(ht + s_off, S, mask=s_mask)
@@ -274,8 +315,19 @@ def chunk_kda(
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"q, k, v must be bfloat16, float16 or float32 for chunk_kda, got {q.dtype}")
     if K > 256 or V > 256:
-        raise ValueError(f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}")
-    scale = resolve_scale(scale, K)
+        raise ValueError(
+            f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
+        )
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    return _chunk_kda_fwd(q, k, v, g, beta, resolve_scale(scale, K), h0, output_final_state)
+
+
+def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, warps_prepare=None, stages=2):
+    """Launch the two kernels on validated inputs. `bv`, `warps_prepare` and `stages` are tuning knobs
+    (value columns per scan program, warps of the prepare kernel, pipeline depth of the scan loop) that
+    bench/tune_chunk.py sweeps; None picks the defaults."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     interp = interpreting()
     BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
     NT = triton.cdiv(T, BT)
@@ -292,24 +344,65 @@ def chunk_kda(
     u = torch.empty(rows, BVP, device=dev, dtype=idt)
     aqk = torch.empty(rows, BT, device=dev, dtype=idt)
     gl = torch.empty(B * HV * NT, BK, device=dev, dtype=torch.float32)
+    if warps_prepare is None:
+        warps_prepare = 4 if BK <= 64 else 8
     _chunk_prepare_kernel[(NT, B * HV)](
-        q, k, v, g, beta, w, u, qg, kd, aqk, gl,
-        T, H, HV, K, V, scale,
-        BT=BT, BC=SUB, BK=BK, BV=BVP, PREC=prec,
-        num_warps=4 if BK <= 64 else 8,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        w,
+        u,
+        qg,
+        kd,
+        aqk,
+        gl,
+        T,
+        H,
+        HV,
+        K,
+        V,
+        scale,
+        BT=BT,
+        BC=SUB,
+        BK=BK,
+        BV=BVP,
+        PREC=prec,
+        num_warps=warps_prepare,
     )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    BV = min(BVP, 32)
-    if not interp and B * HV * triton.cdiv(V, BV) < 128:
-        BV = 16  # more programs for few heads: the scan's only parallelism is (batch, head, value block)
-    _chunk_scan_kernel[(triton.cdiv(V, BV), B * HV)](
-        w, u, qg, kd, aqk, gl, o, h0, ht,
-        T, HV, K, V, NT,
-        BT=BT, BK=BK, BVP=BVP, BV=BV,
-        USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
-        num_warps=4, num_stages=2,
+    if bv is None:
+        # The scan's only parallelism is (batch, value head, value block): use narrower value blocks when
+        # there are few heads, so that the programs still cover the GPU's 100+ multiprocessors.
+        bv = min(BVP, 32)
+        if not interp and B * HV * triton.cdiv(V, bv) < 128:
+            bv = 16
+    _chunk_scan_kernel[(triton.cdiv(V, bv), B * HV)](
+        w,
+        u,
+        qg,
+        kd,
+        aqk,
+        gl,
+        o,
+        h0,
+        ht,
+        T,
+        HV,
+        K,
+        V,
+        NT,
+        BT=BT,
+        BK=BK,
+        BVP=BVP,
+        BV=bv,
+        USE_H0=h0 is not None,
+        STORE_HT=output_final_state,
+        PREC=prec,
+        num_warps=4,
+        num_stages=stages,
     )
     return o, ht

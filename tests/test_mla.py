@@ -1,0 +1,102 @@
+"""MLA: both attention modes agree, decoding with the latent cache equals a full forward pass."""
+
+import pytest
+import torch
+
+from kda_edu.mla import MLA, MLACache, MLAConfig, causal_attention
+
+D = 32
+
+
+def make_layer(output_gate: bool = False, seed: int = 0) -> MLA:
+    torch.manual_seed(seed)
+    config = MLAConfig(num_heads=4, kv_rank=24, qk_head_dim=8, v_head_dim=12, output_gate=output_gate)
+    return MLA(D, config).double()
+
+
+def test_causal_attention_matches_explicit_loop():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 2, 5), torch.randn(2, 7, 2, 5), torch.randn(2, 7, 2, 4)
+    out = causal_attention(q, k, v, scale=0.5)
+    for i in range(3):
+        visible = 7 - 3 + i + 1  # query i sits at position 4 + i
+        p = torch.softmax(torch.einsum("bhd,bshd->bhs", q[:, i], k[:, :visible]) * 0.5, dim=-1)
+        torch.testing.assert_close(out[:, i], torch.einsum("bhs,bshd->bhd", p, v[:, :visible]))
+
+
+@pytest.mark.parametrize("output_gate", [False, True])
+def test_mha_mode_equals_mqa_mode(output_gate):
+    layer = make_layer(output_gate)
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    torch.testing.assert_close(layer(x, mode="mha"), layer(x, mode="mqa"), rtol=1e-10, atol=1e-10)
+
+
+def test_modes_agree_against_a_filled_cache():
+    layer = make_layer()
+    x = torch.randn(2, 10, D, dtype=torch.float64)
+    cache_mha, cache_mqa = layer.new_cache(), layer.new_cache()
+    layer(x[:, :6], cache=cache_mha)
+    layer(x[:, :6], cache=cache_mqa)
+    out_mha = layer(x[:, 6:], cache=cache_mha, mode="mha")
+    out_mqa = layer(x[:, 6:], cache=cache_mqa, mode="mqa")
+    torch.testing.assert_close(out_mha, out_mqa, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("output_gate", [False, True])
+def test_decoding_token_by_token_equals_full_forward(output_gate):
+    layer = make_layer(output_gate)
+    x = torch.randn(2, 11, D, dtype=torch.float64)
+    full = layer(x)
+    cache = layer.new_cache()
+    prefix = layer(x[:, :4], cache=cache)  # prefill, MHA mode
+    steps = [layer(x[:, t : t + 1], cache=cache) for t in range(4, 11)]  # decoding, MQA mode
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, rtol=1e-10, atol=1e-10)
+    assert cache.seq_len == 11
+
+
+def test_decoding_in_float32_within_1e_5():
+    layer = make_layer().float()
+    x = torch.randn(1, 8, D)
+    full = layer(x)
+    cache = layer.new_cache()
+    steps = [layer(x[:, t : t + 1], cache=cache) for t in range(8)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_output_only_depends_on_the_past():
+    layer = make_layer()
+    x = torch.randn(1, 8, D, dtype=torch.float64)
+    y = x.clone()
+    y[:, 5:] += 1.0
+    torch.testing.assert_close(layer(x)[:, :5], layer(y)[:, :5])
+
+
+def test_cache_holds_only_the_latent():
+    layer = make_layer().float()
+    cache = layer.new_cache()
+    assert cache.nbytes() == 0 and cache.seq_len == 0
+    layer(torch.randn(3, 5, D), cache=cache)
+    assert cache.latent.shape == (3, 5, 24)
+    assert cache.nbytes() == 3 * 5 * 24 * 4
+
+
+def test_gradients_reach_every_parameter():
+    layer = make_layer(output_gate=True)
+    layer(torch.randn(2, 5, D, dtype=torch.float64)).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+def test_bad_inputs_are_named():
+    layer = make_layer()
+    with pytest.raises(ValueError, match=r"x must be a tensor of shape \[B, T, D\] with D = 32"):
+        layer(torch.randn(2, 5, 31, dtype=torch.float64))
+    with pytest.raises(ValueError, match="mode must be"):
+        layer(torch.randn(2, 5, D, dtype=torch.float64), mode="flash")
+    with pytest.raises(TypeError, match="cache must be an MLACache"):
+        layer(torch.randn(2, 5, D, dtype=torch.float64), cache={})
+    cache = MLACache()
+    layer(torch.randn(2, 5, D, dtype=torch.float64), cache=cache)
+    with pytest.raises(ValueError, match="batch size 3 but the cache holds batch size 2"):
+        layer(torch.randn(3, 1, D, dtype=torch.float64), cache=cache)
+    with pytest.raises(ValueError, match="MLAConfig.kv_rank must be >= 1"):
+        MLAConfig(kv_rank=0)

@@ -1,0 +1,74 @@
+# Two commands do everything: `make book` and `make test` (see README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := book
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kda-edu-installed
+ASSETS := _build/site-assets/.stamp
+REPORTS := _build/test-reports
+
+# PyTorch is pinned so that every machine gets the build the book was tested with. Without an
+# NVIDIA driver, `make` takes PyTorch's CPU build (a few hundred MB) from PyTorch's CPU index;
+# with one, the default CUDA build from PyPI. Override either, e.g.
+#   make book TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+
+.PHONY: book test lab sync assets clean lint unit notebooks build-strict browser-check
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --retries 1 "torch==$(TORCH_VERSION)" \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -e ".[book,test]" "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kda-edu)"
+	@touch $@
+
+$(ASSETS): site/package.json site/package-lock.json tools/site_assets.sh
+	bash tools/site_assets.sh
+	@touch $@
+
+assets: $(ASSETS)
+
+## book: build the HTML book into _build/html (notebooks are executed, with a cache)
+book: $(STAMP) $(ASSETS)
+	$(BIN)/jupyter-book build . --path-output .
+	@echo "The book is at file://$(CURDIR)/_build/html/index.html"
+
+## test: lint, unit tests, every notebook under nbval, a strict book build, a browser check
+test: $(STAMP) $(ASSETS) lint unit notebooks build-strict browser-check
+	@$(BIN)/python tools/test_summary.py $(REPORTS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check kda_edu tests tools bench
+
+unit: $(STAMP)
+	@mkdir -p $(REPORTS)
+	$(BIN)/python -m pytest tests --junitxml=$(REPORTS)/unit.xml
+
+notebooks: $(STAMP)
+	@mkdir -p $(REPORTS)
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider \
+		--junitxml=$(REPORTS)/notebooks.xml book/[0-9][0-9]_*.ipynb
+
+build-strict: $(STAMP) $(ASSETS)
+	$(BIN)/jupyter-book build . --path-output . -W -n --keep-going
+
+browser-check: $(STAMP)
+	$(BIN)/python tools/browser_check.py _build/html --report $(REPORTS)/browser.json
+
+## lab: JupyterLab on the book's notebooks
+lab: $(STAMP)
+	$(BIN)/jupyter lab book $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True)
+
+## sync: regenerate each notebook's Colab set-up cell and pair .md <-> .ipynb with jupytext
+sync: $(STAMP)
+	$(BIN)/python tools/sync_notebooks.py
+
+clean:
+	rm -rf _build

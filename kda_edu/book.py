@@ -1,0 +1,40 @@
+"""Helpers the notebooks use to show the library's code and to build explorers.
+
+The book never pastes code: it imports ``kda_edu`` and shows the source of what it runs.
+"""
+
+import inspect
+from pathlib import Path
+
+import kda_edu
+
+_ROOT = Path(kda_edu.__file__).resolve().parent.parent
+
+
+def show_source(obj):
+    """Display the source of a function or class from ``kda_edu`` with its file and line.
+
+    Returns an IPython ``Markdown`` object, which a notebook renders as a highlighted code block.
+    """
+    from IPython.display import Markdown
+
+    lines, start = inspect.getsourcelines(obj)
+    path = Path(inspect.getsourcefile(obj)).resolve()
+    try:
+        shown = path.relative_to(_ROOT)
+    except ValueError:
+        shown = path.name
+    header = f"`{shown}`, line {start}"
+    return Markdown(f"{header}\n\n```python\n{''.join(lines).rstrip()}\n```")
+
+
+def explore(function, **controls):
+    """An ipywidgets explorer: sliders (or other controls) that re-run ``function`` on change.
+
+    ``controls`` maps each keyword argument of ``function`` to an ipywidgets control or an
+    abbreviation (a ``(min, max, step)`` tuple, a list of options). The widget needs a live
+    kernel; every chapter also draws the same figure statically for readers of the website.
+    """
+    import ipywidgets
+
+    return ipywidgets.interactive(function, **controls)

@@ -1,0 +1,90 @@
+"""The book's frame: paired notebooks, set-up cells, the table of contents, the environments."""
+
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import jupytext
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from notebook_setup import chapter_markdown, chapter_notebooks, setup_cell_source  # noqa: E402
+
+NOTEBOOKS = chapter_notebooks()
+REQUIRED_SECTIONS = ["Learning goals", "Summary", "Exercises", "References"]
+
+
+def test_every_chapter_is_a_pair():
+    notebooks = {p.stem for p in NOTEBOOKS}
+    markdown = {p.stem for p in chapter_markdown()}
+    assert notebooks == markdown, f"unpaired: {sorted(notebooks ^ markdown)} (run `make sync`)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_pair_in_sync(path):
+    ipynb, md = jupytext.read(path), jupytext.read(path.with_suffix(".md"))
+    cells = lambda nb: [(c.cell_type, c.source.strip(), c.metadata.get("tags", [])) for c in nb.cells]
+    assert cells(ipynb) == cells(md), f"{path.name} and its .md twin differ (run `make sync`)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_committed_without_outputs(path):
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, f"{path.name} has outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_first_cell_sets_up_colab(path):
+    first = jupytext.read(path).cells[0]
+    assert first.cell_type == "code" and first.source == setup_cell_source(), (
+        f"{path.name}: the first cell must be the generated Colab set-up cell (run `make sync`)"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_chapter_has_required_sections(path):
+    headings = [
+        line.lstrip("#").strip()
+        for cell in jupytext.read(path).cells
+        if cell.cell_type == "markdown"
+        for line in cell.source.splitlines()
+        if line.startswith("## ")
+    ]
+    missing = [s for s in REQUIRED_SECTIONS if s not in headings]
+    assert not missing, f"{path.name} lacks the sections {missing}"
+
+
+def test_toc_lists_every_chapter_once():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]] + [ch["file"] for part in toc.get("parts", []) for ch in part["chapters"]]
+    assert len(files) == len(set(files))
+    listed = sorted(f for f in files if re.match(r"book/\d\d_", f))
+    assert listed == [f"book/{p.stem}" for p in NOTEBOOKS]
+
+
+def _normalise(requirement: str) -> str:
+    return re.sub(r"\s+", "", requirement).replace('"', "'").lower()
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [
+        r for extra in project["optional-dependencies"].values() for r in extra
+    ]
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    listed = [r for r in pip_section if not r.startswith("-e")]
+    assert sorted(map(_normalise, listed)) == sorted(map(_normalise, declared))
+
+
+def test_one_repository_url():
+    url = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    readme = (ROOT / "README.md").read_text()
+    found = set(re.findall(r"https://github\.com/[\w.-]+/kda-edu\b", readme))
+    assert found <= {url}, f"README names another repository address: {found - {url}}"

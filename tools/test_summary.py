@@ -1,0 +1,39 @@
+"""Print one closing line that adds up every stage of `make test`.
+
+Reads the JUnit XML files pytest wrote (unit tests, notebooks) and the browser check's JSON
+report, and prints a line per stage and a total.
+"""
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def junit_counts(path: Path) -> tuple[int, int, int]:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    tests = sum(int(s.get("tests", 0)) for s in suites)
+    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    return tests - failed - skipped, failed, skipped
+
+
+def main() -> None:
+    reports = Path(sys.argv[1])
+    total = [0, 0, 0]
+    for name in ("unit", "notebooks"):
+        passed, failed, skipped = junit_counts(reports / f"{name}.xml")
+        print(f"{name}: {passed} passed, {failed} failed, {skipped} skipped")
+        total = [total[0] + passed, total[1] + failed, total[2] + skipped]
+    browser = json.loads((reports / "browser.json").read_text())
+    if "skipped" in browser:
+        print(f"browser: skipped ({browser['skipped']})")
+    else:
+        print(f"browser pages: {browser['passed']} passed, {browser['failed']} failed")
+        total = [total[0] + browser["passed"], total[1] + browser["failed"], total[2]]
+    print(f"total: {total[0]} passed, {total[1]} failed, {total[2]} skipped")
+
+
+if __name__ == "__main__":
+    main()

@@ -51,9 +51,9 @@ def _require_shape(name: str, x: torch.Tensor, expected: str, shape: tuple) -> N
         raise ValueError(f"{name} must have shape {expected} = {shape}, got {tuple(x.shape)}")
 
 
-def _require_device(name: str, x: torch.Tensor, device: torch.device) -> None:
+def _require_device(name: str, x: torch.Tensor, expected: str, device: torch.device) -> None:
     if x.device != device:
-        raise ValueError(f"{name} must be on the same device as q ({device}), got {x.device}")
+        raise ValueError(f"{name} of shape {expected} must be on q's device ({device}), got {x.device}")
 
 
 def check_kda_inputs(
@@ -108,15 +108,15 @@ def check_kda_inputs(
     _require_tensor("k", k, "[B, T, H, K]")
     _require_shape("k", k, "[B, T, H, K]", (B, T, H, K))
     if k.dtype != q.dtype:
-        raise TypeError(f"k must have the same dtype as q ({q.dtype}), got {k.dtype}")
-    _require_device("k", k, device)
+        raise TypeError(f"k of shape [B, T, H, K] must have q's dtype ({q.dtype}), got {k.dtype}")
+    _require_device("k", k, "[B, T, H, K]", device)
 
     _require_tensor("v", v, "[B, T, HV, V]")
     if v.dim() != 4:
         raise ValueError(f"v must have rank 4, shape [B, T, HV, V], got {tuple(v.shape)}")
     if v.dtype != q.dtype:
-        raise TypeError(f"v must have the same dtype as q ({q.dtype}), got {v.dtype}")
-    _require_device("v", v, device)
+        raise TypeError(f"v of shape [B, T, HV, V] must have q's dtype ({q.dtype}), got {v.dtype}")
+    _require_device("v", v, "[B, T, HV, V]", device)
     HV, V = v.shape[2], v.shape[3]
     if tuple(v.shape[:2]) != (B, T) or HV == 0 or V == 0 or HV % H != 0:
         raise ValueError(
@@ -128,11 +128,13 @@ def check_kda_inputs(
         if g is not None:
             raise TypeError("g must be None: this model has no decay gate")
     else:
+        if gate not in ("channel", "head"):
+            raise ValueError(f"gate must be 'channel', 'head' or None, got {gate!r}")
         expected = {"channel": ("[B, T, HV, K]", (B, T, HV, K)), "head": ("[B, T, HV]", (B, T, HV))}[gate]
         _require_tensor("g", g, expected[0])
         _require_shape("g", g, *expected)
         _require_float("g", g, expected[0])
-        _require_device("g", g, device)
+        _require_device("g", g, expected[0], device)
 
     if not with_beta:
         if beta is not None:
@@ -141,7 +143,7 @@ def check_kda_inputs(
         _require_tensor("beta", beta, "[B, T, HV]")
         _require_shape("beta", beta, "[B, T, HV]", (B, T, HV))
         _require_float("beta", beta, "[B, T, HV]")
-        _require_device("beta", beta, device)
+        _require_device("beta", beta, "[B, T, HV]", device)
 
     if initial_state is not None:
         _require_tensor(state_name, initial_state, "[B, HV, K, V]")
@@ -152,15 +154,19 @@ def check_kda_inputs(
                 f"{state_name} of shape [B, HV, K, V] must be {state_dtype} for {q.dtype} inputs, "
                 f"got {initial_state.dtype}"
             )
-        _require_device(state_name, initial_state, device)
+        _require_device(state_name, initial_state, "[B, HV, K, V]", device)
 
     if check_values:
         if g is not None and g.max() > 0:
-            raise ValueError(f"g must be <= 0 (a log-space decay), got max(g) = {g.max().item():.4g}")
+            raise ValueError(
+                f"g of shape {expected[0]} must be <= 0 (a log-space decay), got max {g.max():.4g}"
+            )
         if beta is not None:
             lo, hi = torch.aminmax(beta)
             if lo < 0 or hi > 1:
-                raise ValueError(f"beta must lie in [0, 1], got values in [{lo.item():.4g}, {hi.item():.4g}]")
+                raise ValueError(
+                    f"beta of shape [B, T, HV] must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]"
+                )
 
     return B, T, H, HV, K, V
 

@@ -1,0 +1,306 @@
+"""The KDA layer: everything around the recurrence that turns `x [B, T, D]` into `y [B, T, D]`.
+
+`kda_edu.kda` is the recurrence itself. A layer has to produce its inputs from the hidden states and turn its
+output back into hidden states:
+
+    q, k, v = SiLU(ShortConv([W_q x; W_k x; W_v x]))        causal depthwise convolution, kernel 4
+    q, k    = L2Norm(q), L2Norm(k)                          per head, so the delta rule stays stable
+    g       = gate(W_f2 W_f1 x)                             low-rank decay per value head and key channel
+    beta    = sigmoid(W_b x)                                one write strength per value head
+    o       = KDA(q, k, v, g, beta)                         chunked for prefill/training, step for decoding
+    o       = RMSNorm(o) * sigmoid(W_g2 W_g1 x + b_g)       per head, low-rank output gate
+    y       = W_o o
+
+`gate` is one of the two parametrisations of `kda_edu.gates` (`KDAConfig.gate`):
+`"softplus"`: `-exp(A_log) * softplus(. + dt_bias)`, or `"lower_bound"`:
+`lower_bound * sigmoid(exp(A_log) * (. + dt_bias))`.
+
+For decoding, a `KDACache` keeps what the next token needs: the last `conv_size - 1` inputs of the
+convolution and the recurrent state `[B, HV, K, V]`. Both have a fixed size, whatever the context length.
+
+On a CUDA device (and when no gradient is needed: the Triton kernels are forward only) the recurrence runs
+in `kda_edu.triton.chunk_kda` / `fused_recurrent_kda`; otherwise in the PyTorch `kda_chunked` / `kda_step`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kda_edu._checks import compute_dtype
+from kda_edu.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
+from kda_edu.kda import kda_chunked, kda_step
+
+
+@dataclass
+class KDAConfig:
+    """A KDA layer (its width `d_model` comes from the model).
+
+    Attributes:
+        num_heads: H, query/key heads.
+        head_dim: K, query/key width per head.
+        num_v_heads: HV, value heads, a multiple of H; None means H.
+        v_head_dim: V, value width per head; None means K.
+        conv_size: kernel width of the causal short convolution on q, k and v.
+        gate: `"softplus"` (`-exp(A_log) * softplus(x + dt_bias)`) or `"lower_bound"`
+            (`lower_bound * sigmoid(exp(A_log) * (x + dt_bias))`).
+        lower_bound: the most negative log decay per step for the `"lower_bound"` gate, < 0.
+        gate_rank: inner width of the low-rank decay and output-gate projections; None means V.
+        chunk_size: chunk length of the chunked form (prefill and training).
+        norm_eps: epsilon of the per-head gated RMSNorm on the output.
+    """
+
+    num_heads: int = 4
+    head_dim: int = 32
+    num_v_heads: int | None = None
+    v_head_dim: int | None = None
+    conv_size: int = 4
+    gate: str = "softplus"
+    lower_bound: float = -5.0
+    gate_rank: int | None = None
+    chunk_size: int = 64
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("num_heads", "head_dim", "conv_size", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KDAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_v_heads", "v_head_dim", "gate_rank"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"KDAConfig.{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.num_v_heads is not None and self.num_v_heads % self.num_heads != 0:
+            raise ValueError(
+                f"KDAConfig.num_v_heads must be a multiple of num_heads = {self.num_heads}, got {self.num_v_heads}"
+            )
+        if self.gate not in ("softplus", "lower_bound"):
+            raise ValueError(f"KDAConfig.gate must be 'softplus' or 'lower_bound', got {self.gate!r}")
+        if not (math.isfinite(self.lower_bound) and self.lower_bound < 0):
+            raise ValueError(f"KDAConfig.lower_bound must be finite and < 0, got {self.lower_bound}")
+
+    @property
+    def hv(self) -> int:
+        """HV, the number of value heads."""
+        return self.num_heads if self.num_v_heads is None else self.num_v_heads
+
+    @property
+    def v_dim(self) -> int:
+        """V, the value width per head."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def rank(self) -> int:
+        """Inner width of the low-rank gate projections."""
+        return self.v_dim if self.gate_rank is None else self.gate_rank
+
+
+class KDACache:
+    """What a KDA layer keeps between calls. Its size does not grow with the context.
+
+    Attributes:
+        conv_window: the last `conv_size - 1` inputs of the short convolution `[B, conv_size - 1, C]`,
+            C = 2 H K + HV V (q, k and v channels side by side); None before the first call.
+        state: the recurrent state `[B, HV, K, V]`, float32 (float64 for a float64 model); None before the
+            first call.
+        seq_len: tokens seen so far.
+    """
+
+    def __init__(self):
+        self.conv_window: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
+        self.seq_len = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.conv_window, self.state) if t is not None)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution followed by SiLU: channel c at step t mixes steps t - W + 1 .. t of c.
+
+    Args:
+        channels: C.
+        kernel_size: W.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, window: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Convolve x, continuing from `window`.
+
+        Args:
+            x: `[B, T, C]`.
+            window: the `W - 1` inputs before x, `[B, W - 1, C]`; None means zeros (start of a sequence).
+
+        Returns:
+            `(y, window)`: y `[B, T, C]`, and the last `W - 1` inputs `[B, W - 1, C]` for the next call.
+        """
+        B, T, C = x.shape
+        if window is None:
+            window = x.new_zeros(B, self.kernel_size - 1, C)
+        padded = torch.cat([window.to(x.dtype), x], dim=1)  # [B, W - 1 + T, C]
+        y = self.conv(padded.transpose(1, 2)).transpose(1, 2)  # no padding: exactly T outputs
+        return F.silu(y), padded[:, padded.shape[1] - (self.kernel_size - 1) :]
+
+
+class GatedRMSNorm(nn.Module):
+    """`RMSNorm(x) * weight * sigmoid(gate)` over the last dimension (one head's values).
+
+    Args:
+        dim: the normalised width.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate `[..., dim]` -> `[..., dim]` in gate's dtype, computed in at least float32."""
+        dtype = compute_dtype(x.dtype)
+        x = x.to(dtype)
+        normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(dtype) * torch.sigmoid(gate.to(dtype))).to(gate.dtype)
+
+
+class KDALayer(nn.Module):
+    """Kimi Delta Attention as a sequence-mixing layer, `[B, T, D] -> [B, T, D]`.
+
+    Args:
+        d_model: D, input and output width.
+        config: a `KDAConfig`.
+    """
+
+    def __init__(self, d_model: int, config: KDAConfig):
+        super().__init__()
+        self.d_model = d_model
+        self.config = config
+        H, HV, K, V, r = config.num_heads, config.hv, config.head_dim, config.v_dim, config.rank
+        self.q_proj = nn.Linear(d_model, H * K, bias=False)
+        self.k_proj = nn.Linear(d_model, H * K, bias=False)
+        self.v_proj = nn.Linear(d_model, HV * V, bias=False)
+        self.conv = ShortConv(2 * H * K + HV * V, config.conv_size)
+        self.f_down = nn.Linear(d_model, r, bias=False)  # decay: low rank, then one value per (HV, K)
+        self.f_up = nn.Linear(r, HV * K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(HV))
+        self.dt_bias = nn.Parameter(torch.empty(HV, K))
+        self.b_proj = nn.Linear(d_model, HV, bias=False)
+        self.g_down = nn.Linear(d_model, r, bias=False)  # output gate: low rank, one value per (HV, V)
+        self.g_up = nn.Linear(r, HV * V, bias=True)
+        self.o_norm = GatedRMSNorm(V, eps=config.norm_eps)
+        self.o_proj = nn.Linear(HV * V, d_model, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """Initialise `A_log` and `dt_bias` so the layer starts with a spread of memory lengths.
+
+        `dt_bias` is `softplus^-1(dt)` with `dt` log-uniform in [0.001, 0.1], so at x = 0 the softplus gate's
+        step size is dt. The softplus gate's rate `exp(A_log)` starts uniform in [1, 16]; the lower-bound gate's
+        slope starts at 1 (A_log = 0), which makes its initial decay about `lower_bound * dt`.
+        """
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        self.dt_bias.copy_(torch.log(torch.expm1(dt)))
+        if self.config.gate == "softplus":
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        else:
+            self.A_log.zero_()
+
+    def new_cache(self) -> KDACache:
+        """An empty cache for this layer."""
+        return KDACache()
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+        """Mix the tokens in x, continuing from the cache.
+
+        Args:
+            x: `[B, T, D]`, the next T tokens.
+            cache: None for a self-contained sequence; otherwise the layer's `KDACache`, which holds the
+                state after the tokens before x and is advanced past x in place. With a cache and T = 1 the
+                layer takes one recurrent step; otherwise it runs the chunked form.
+
+        Returns:
+            `[B, T, D]` in x's dtype.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a tensor of shape [B, T, D] with D = {self.d_model}, got {shape}")
+        if cache is not None and not isinstance(cache, KDACache):
+            raise TypeError(f"cache must be a KDACache or None, got {type(cache).__name__}")
+        if cache is not None and cache.state is not None and cache.state.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"x has batch size {x.shape[0]} but the cache holds batch size {cache.state.shape[0]}"
+            )
+        cfg = self.config
+        B, T, _ = x.shape
+        H, HV, K, V = cfg.num_heads, cfg.hv, cfg.head_dim, cfg.v_dim
+
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, window = self.conv(qkv, None if cache is None else cache.conv_window)
+        q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
+        q = l2_normalize(q.reshape(B, T, H, K))
+        k = l2_normalize(k.reshape(B, T, H, K))
+        v = v.reshape(B, T, HV, V)
+
+        f = self.f_up(self.f_down(x)).view(B, T, HV, K)
+        if cfg.gate == "softplus":
+            g = kda_gate(f, self.A_log, self.dt_bias)
+        else:
+            g = kda_gate_lower_bound(f, self.A_log, self.dt_bias, lower_bound=cfg.lower_bound)
+        beta = beta_sigmoid(self.b_proj(x))
+
+        if cache is None:
+            o, _ = self._prefill(q, k, v, g, beta, initial_state=None, output_final_state=False)
+        else:
+            if T == 1:
+                state = cache.state
+                if state is None:
+                    state = q.new_zeros(B, HV, K, V, dtype=compute_dtype(q.dtype))
+                o, state = self._step(q, k, v, g, beta, state)
+            else:
+                o, state = self._prefill(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            cache.conv_window, cache.state, cache.seq_len = window, state, cache.seq_len + T
+
+        o = self.o_norm(o, self.g_up(self.g_down(x)).view(B, T, HV, V))
+        return self.o_proj(o.reshape(B, T, HV * V))
+
+    def _prefill(self, q, k, v, g, beta, initial_state, output_final_state):
+        """The chunked form: Triton's `chunk_kda` where it can run, else PyTorch's `kda_chunked`."""
+        if _triton_can_run(q, k, v, g, beta):
+            from kda_edu.triton import chunk_kda
+
+            return chunk_kda(
+                q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state
+            )
+        return kda_chunked(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            chunk_size=self.config.chunk_size,
+        )
+
+    def _step(self, q, k, v, g, beta, state):
+        """One recurrent step: Triton's `fused_recurrent_kda` where it can run, else PyTorch's `kda_step`."""
+        if _triton_can_run(q, k, v, g, beta):
+            from kda_edu.triton import fused_recurrent_kda
+
+            return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+        return kda_step(q, k, v, g, beta, state)
+
+
+def _triton_can_run(*tensors: torch.Tensor) -> bool:
+    """The Triton kernels need CUDA tensors in 16/32-bit floats, and have no backward pass."""
+    q = tensors[0]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return q.is_cuda and q.dtype != torch.float64 and not needs_grad

@@ -27,7 +27,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     Tq, Tk, H, HV = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     dtype = compute_dtype(q.dtype)
     scores = scale * torch.einsum("bihk,bjhk->bhij", q.to(dtype), k.to(dtype))  # [B, H, Tq, Tk]
-    visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+    query_pos = torch.arange(Tk - Tq, Tk, device=q.device)
+    visible = torch.arange(Tk, device=q.device) <= query_pos[:, None]  # [Tq, Tk]
     scores = scores.masked_fill(~visible, float("-inf"))
     p = scores.softmax(dim=-1).repeat_interleave(HV // H, dim=1)  # [B, HV, Tq, Tk]
     return torch.einsum("bhij,bjhv->bihv", p, v.to(dtype)).to(q.dtype)

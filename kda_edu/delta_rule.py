@@ -110,11 +110,14 @@ def delta_rule_chunked(
     k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
     v_c, beta = to_chunks(v, C, dtype), to_chunks(beta, C, dtype)  # [B, HV, NC, C, V], [B, HV, NC, C]
 
-    A = (beta[..., None] * (k @ k.transpose(-1, -2))).tril(-1)
+    i = torch.arange(C, device=q.device)
+    causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i
+
+    A = (beta[..., None] * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0)
     L = torch.eye(C, dtype=dtype, device=q.device) + A
     u = torch.linalg.solve_triangular(L, beta[..., None] * v_c, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(L, beta[..., None] * k, upper=False, unitriangular=True)
-    Aqk = (q @ k.transpose(-1, -2)).tril()
+    Aqk = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
     o = []

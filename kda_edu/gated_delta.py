@@ -115,10 +115,11 @@ def gated_delta_chunked(
     v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C], [.., C]
     gc = g.cumsum(dim=-1)  # within-chunk cumulative log decay, in [C * min(g), 0]
 
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    i = torch.arange(C, device=q.device)
+    causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i
     Gamma = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [.., C, C]
 
-    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Gamma).tril(-1)
+    A = (beta[..., None] * (k @ k.transpose(-1, -2)) * Gamma).masked_fill(~strict, 0)
     L = torch.eye(C, dtype=dtype, device=q.device) + A
     u = torch.linalg.solve_triangular(L, beta[..., None] * v_c, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(L, (beta * gc.exp())[..., None] * k, upper=False, unitriangular=True)

@@ -181,11 +181,12 @@ def kda_chunked(
     gc = g.cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]
 
     # Pairwise decays exp(gc_i - gc_j) for j <= i, exact zeros above the diagonal: [B, HV, NC, C, C, K].
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    i = torch.arange(C, device=q.device)
+    causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i
     diff = gc[..., :, None, :] - gc[..., None, :, :]
     decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
 
-    A = (beta[..., None] * torch.einsum("...ic,...ijc,...jc->...ij", k, decay, k)).tril(-1)
+    A = (beta[..., None] * torch.einsum("...ic,...ijc,...jc->...ij", k, decay, k)).masked_fill(~strict, 0)
     Aqk = torch.einsum("...ic,...ijc,...jc->...ij", q, decay, k)
 
     # UT transform: solve (I + A) X = Diag(beta) [V, K * exp(gc)] for u and w.

@@ -40,7 +40,8 @@ def linear_attention_parallel(
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, None, None, gate=None, with_beta=False)
     dtype = compute_dtype(q.dtype)
     scores = resolve_scale(scale, K) * torch.einsum("bihk,bjhk->bhij", q.to(dtype), k.to(dtype))
-    scores = scores.tril().repeat_interleave(HV // H, dim=1)  # [B, HV, T, T], zero above the diagonal
+    t = torch.arange(T, device=q.device)
+    scores = scores.masked_fill(t[:, None] < t, 0).repeat_interleave(HV // H, dim=1)  # [B, HV, T, T]
     return torch.einsum("bhij,bjhv->bihv", scores, v.to(dtype)).to(q.dtype)
 
 
@@ -118,7 +119,8 @@ def linear_attention_chunked(
     q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
     k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
     v_c = to_chunks(v, C, dtype)  # [B, HV, NC, C, V]
-    intra = (q @ k.transpose(-1, -2)).tril() @ v_c  # the parallel form inside every chunk at once
+    i = torch.arange(C, device=q.device)
+    intra = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0) @ v_c  # parallel form in every chunk
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
     o = []

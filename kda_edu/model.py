@@ -1,0 +1,308 @@
+"""A small Kimi-Linear-style language model: KDA layers and MLA layers stacked in a repeating pattern.
+
+Every block is pre-norm, `x = x + mixer(RMSNorm(x))` then `x = x + ffn(RMSNorm(x))`, where the mixer is a
+`KDALayer` ("K") or an `MLA` layer ("A") and the feed-forward layer is a SwiGLU or a small mixture of experts.
+`HybridConfig.layer_pattern` repeats over the depth:
+
+    "KKKA"  the hybrid: three KDA layers to one MLA layer, Kimi Linear's ratio (the default)
+    "K"     pure KDA, for comparison
+    "A"     pure (latent) attention, for comparison
+
+There is no positional encoding anywhere: the KDA layers (gates, short convolutions) and the causal mask carry
+the order of the tokens, as in Kimi Linear, whose MLA layers are NoPE.
+
+Decoding uses a `HybridCache`, one cache per layer: a `KDACache` (convolution window and recurrent state,
+fixed size) for a KDA layer, an `MLACache` (one latent per token, growing) for an MLA layer. Feeding tokens
+one at a time through the cache gives the same logits as one forward pass over the whole sequence.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+
+from kda_edu.ffn import FFNConfig, MoE, SwiGLU, build_ffn
+from kda_edu.kda_layer import KDACache, KDAConfig, KDALayer
+from kda_edu.mla import MLA, MLACache, MLAConfig
+
+HYBRID = "KKKA"
+PURE_KDA = "K"
+PURE_ATTENTION = "A"
+
+
+@dataclass
+class HybridConfig:
+    """The whole model.
+
+    Attributes:
+        vocab_size: number of token ids.
+        d_model: D, the width of the residual stream.
+        n_layers: number of blocks.
+        layer_pattern: the mixer of each block, "K" (KDA) or "A" (MLA), repeated over the depth: block i
+            uses `layer_pattern[i % len(layer_pattern)]`. See `HYBRID`, `PURE_KDA`, `PURE_ATTENTION`.
+        kda: the configuration of every KDA layer.
+        mla: the configuration of every MLA layer.
+        ffn: the configuration of every feed-forward layer.
+        tie_embeddings: the output projection reuses the token embedding matrix.
+        norm_eps: epsilon of the blocks' RMSNorms.
+        init_std: standard deviation of the initial projection and embedding weights.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    layer_pattern: str = HYBRID
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HybridConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.layer_pattern or set(self.layer_pattern) - {"K", "A"}:
+            raise ValueError(
+                f"HybridConfig.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (MLA), "
+                f"got {self.layer_pattern!r}"
+            )
+        for name, cls in (("kda", KDAConfig), ("mla", MLAConfig), ("ffn", FFNConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(
+                    f"HybridConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name))}"
+                )
+
+    @property
+    def layer_kinds(self) -> str:
+        """The mixer of every block, one letter per block: "KKKAKKKA" for 8 layers of the default pattern."""
+        return "".join(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.n_layers))
+
+    def to_dict(self) -> dict:
+        """Plain nested dicts (JSON-ready)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HybridConfig":
+        """The inverse of `to_dict`; unknown keys raise a `ValueError` naming them."""
+        sub = {"kda": KDAConfig, "mla": MLAConfig, "ffn": FFNConfig}
+        _check_keys(cls, d, "HybridConfig")
+        kwargs = dict(d)
+        for name, sub_cls in sub.items():
+            if name in kwargs:
+                _check_keys(sub_cls, kwargs[name], f"HybridConfig.{name}")
+                kwargs[name] = sub_cls(**kwargs[name])
+        return cls(**kwargs)
+
+
+def _check_keys(cls, d: dict, what: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a dict, got {type(d).__name__}")
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{what} has unknown fields {sorted(unknown)}")
+
+
+class HybridCache:
+    """The per-layer caches of a `HybridLM`, in block order.
+
+    Attributes:
+        layers: a `KDACache` for every KDA block and an `MLACache` for every MLA block.
+    """
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens seen so far."""
+        return self.layers[0].seq_len
+
+    def nbytes(self) -> int:
+        """Bytes held by all layer caches together."""
+        return sum(c.nbytes() for c in self.layers)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes held by the KDA caches and by the MLA caches: `{"kda": ..., "mla": ...}`."""
+        return {
+            "kda": sum(c.nbytes() for c in self.layers if isinstance(c, KDACache)),
+            "mla": sum(c.nbytes() for c in self.layers if isinstance(c, MLACache)),
+        }
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: a sequence mixer (KDA or MLA), then a feed-forward layer.
+
+    Args:
+        config: the model's `HybridConfig`.
+        kind: "K" for a KDA mixer, "A" for an MLA mixer.
+    """
+
+    def __init__(self, config: HybridConfig, kind: str):
+        super().__init__()
+        d = config.d_model
+        self.kind = kind
+        self.mixer_norm = nn.RMSNorm(d, eps=config.norm_eps)
+        self.mixer = KDALayer(d, config.kda) if kind == "K" else MLA(d, config.mla)
+        self.ffn_norm = nn.RMSNorm(d, eps=config.norm_eps)
+        self.ffn = build_ffn(d, config.ffn)
+
+    def forward(self, x: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
+        """x `[B, T, D]` -> `[B, T, D]`; the mixer reads and advances `cache` when given."""
+        x = x + self.mixer(self.mixer_norm(x), cache=cache)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class HybridLM(nn.Module):
+    """Token embedding, `n_layers` blocks, a final RMSNorm and the output projection to logits.
+
+    Args:
+        config: a `HybridConfig`.
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) for every projection and the embedding, zero biases; the projections that
+        write into the residual stream are scaled by `1 / sqrt(2 n_layers)` so the stream's variance does not
+        grow with depth. Layer-specific parameters (gates, convolutions, norms) keep their own initialisation.
+        """
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.mixer.o_proj.weight, mean=0.0, std=residual_std)
+            experts = [block.ffn] if isinstance(block.ffn, SwiGLU) else []
+            if isinstance(block.ffn, MoE):
+                experts = [*block.ffn.experts, block.ffn.shared_expert]
+            for expert in experts:
+                nn.init.normal_(expert.down_proj.weight, mean=0.0, std=residual_std)
+
+    def num_parameters(self) -> int:
+        """Number of trainable numbers (a tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self) -> HybridCache:
+        """An empty cache with one layer cache per block."""
+        return HybridCache([block.mixer.new_cache() for block in self.blocks])
+
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """Logits for every position.
+
+        Args:
+            input_ids: token ids `[B, T]`, int64, in `[0, vocab_size)`.
+            cache: None for a self-contained sequence; otherwise a `HybridCache` from `new_cache()`, which
+                holds the tokens before input_ids and is advanced past them in place.
+
+        Returns:
+            logits `[B, T, vocab_size]` in the model's dtype.
+        """
+        self._check_ids(input_ids)
+        if cache is not None:
+            self._check_cache(cache)
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=None if cache is None else cache.layers[i])
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue every sequence by `max_new_tokens` tokens, one forward step per token through a cache.
+
+        The prompt is processed in one call (chunked KDA, MHA-mode MLA); each new token then costs one
+        decoding step (recurrent KDA step, MQA-mode MLA).
+
+        Args:
+            input_ids: prompts `[B, T]`, int64.
+            max_new_tokens: how many tokens to add, >= 0.
+            temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`.
+            top_k: when sampling, only the k most likely tokens can be drawn; None means all.
+            generator: the random generator for sampling (for reproducible samples).
+
+        Returns:
+            `[B, T + max_new_tokens]`: the prompts followed by the generated tokens.
+        """
+        self._check_ids(input_ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        if max_new_tokens == 0:
+            return input_ids
+        tokens = [input_ids]
+        cache = self.new_cache()
+        logits = self(input_ids, cache=cache)[:, -1]
+        for i in range(max_new_tokens):
+            next_id = _pick(logits, temperature, top_k, generator)  # [B, 1]
+            tokens.append(next_id)
+            if i + 1 < max_new_tokens:
+                logits = self(next_id, cache=cache)[:, -1]
+        return torch.cat(tokens, dim=1)
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            got = (
+                f"{tuple(input_ids.shape)} {input_ids.dtype}"
+                if isinstance(input_ids, torch.Tensor)
+                else type(input_ids).__name__
+            )
+            raise ValueError(f"input_ids must be an int64 tensor of shape [B, T], got {got}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids must have B, T >= 1, got {tuple(input_ids.shape)}")
+        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size = {self.config.vocab_size}), "
+                f"got values in [{input_ids.min().item()}, {input_ids.max().item()}]"
+            )
+
+    def _check_cache(self, cache: HybridCache) -> None:
+        if not isinstance(cache, HybridCache):
+            raise TypeError(
+                f"cache must be a HybridCache (from new_cache()) or None, got {type(cache).__name__}"
+            )
+        expected = {"K": KDACache, "A": MLACache}
+        kinds = self.config.layer_kinds
+        if len(cache.layers) != len(kinds) or not all(
+            isinstance(c, expected[kind]) for c, kind in zip(cache.layers, kinds, strict=True)
+        ):
+            letter = {KDACache: "K", MLACache: "A"}
+            got = "".join(letter.get(type(c), "?") for c in cache.layers)
+            raise ValueError(f"cache must have one layer cache per block, kinds {kinds!r}, got {got!r}")
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    """The next token `[B, 1]` from last-position logits `[B, vocab]`: argmax, or a (top-k) sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)

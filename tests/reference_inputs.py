@@ -1,0 +1,66 @@
+"""Random inputs, error measure and shape sweep shared by the tests of the reference implementations."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+from kda_edu._checks import compute_dtype
+
+# Tolerances on the relative error ||x - ref|| / ||ref|| (issue 3).
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+# (B, T, H, HV, K, V, chunk_size): every case the issue names, each at least once.
+EDGE_CASES = {
+    "T=1": (1, 1, 1, 1, 4, 4, 16),
+    "T_not_multiple_of_C": (1, 37, 1, 1, 8, 8, 16),
+    "T_one_past_C": (1, 17, 1, 1, 8, 8, 16),
+    "K_ne_V": (1, 20, 1, 1, 12, 5, 8),
+    "HV_gt_H": (1, 20, 2, 6, 8, 8, 8),
+    "B_gt_1": (3, 20, 2, 2, 8, 8, 8),
+    "C=1": (2, 9, 1, 2, 4, 3, 1),
+    "C_gt_T": (2, 9, 1, 2, 4, 3, 64),
+}
+
+
+def make_inputs(B, T, H, HV, K, V, *, dtype=torch.float64, gate="channel", g_min=-1.0, seed=0):
+    """Random inputs in the layout of kda_edu, drawn from `seed`.
+
+    q ~ N(0, 1) and L2-normalised k `[B, T, H, K]`; v ~ N(0, 1) `[B, T, HV, V]`; g uniform in [g_min, 0],
+    `[B, T, HV, K]` for gate="channel", `[B, T, HV]` for gate="head"; beta uniform in [0, 1) `[B, T, HV]`;
+    initial_state ~ N(0, 1) `[B, HV, K, V]` in the state dtype. Unit-length keys and beta <= 1 keep the delta
+    rule stable, as the gates of a real layer do.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    g_shape = (B, T, HV, K) if gate == "channel" else (B, T, HV)
+    return dict(
+        q=torch.randn(B, T, H, K, **f64).to(dtype),
+        k=F.normalize(torch.randn(B, T, H, K, **f64), dim=-1).to(dtype),
+        v=torch.randn(B, T, HV, V, **f64).to(dtype),
+        g=(g_min * torch.rand(g_shape, **f64)).to(dtype),
+        beta=torch.rand(B, T, HV, **f64).to(dtype),
+        initial_state=torch.randn(B, HV, K, V, **f64).to(compute_dtype(dtype)),
+    )
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+@st.composite
+def shapes(draw, max_T: int = 80) -> dict:
+    """A random case: sizes, chunk size, whether to pass an initial state, and a seed for the values."""
+    H = draw(st.integers(1, 2))
+    return dict(
+        B=draw(st.integers(1, 2)),
+        T=draw(st.integers(1, max_T)),
+        H=H,
+        HV=H * draw(st.integers(1, 3)),
+        K=draw(st.integers(1, 12)),
+        V=draw(st.integers(1, 12)),
+        chunk_size=draw(st.sampled_from([1, 3, 8, 16, 64])),
+        with_state=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )

@@ -14,8 +14,8 @@ the state once and write it once. Its design follows from that:
 * One program owns the state tile ``S[:, j0:j0 + BV]`` of one (sequence, value head): all ``K``
   rows, a block of ``BV`` value columns. Every step above is column-wise independent (the
   decay scales rows, ``S^T k`` and ``S^T q`` reduce over rows), so value blocks never talk to
-  each other and the grid is ``(V / BV, N * HV)``: with B = 64, HV = 32, V = 128 and BV = 32
-  that is 8192 programs, plenty to fill every SM.
+  each other and the grid is ``(V / BV, N * HV)``: with B = 64, HV = 32, V = 128 and BV = 64
+  that is 4096 programs, enough to keep all 132 SMs of an H200 streaming.
 * The tile lives in registers for the whole sequence: loaded once before the time loop,
   stored once after it. Per token only ``q_t``, ``k_t``, ``g_t`` (``K`` numbers), ``v_t``
   (``BV`` numbers) and ``beta_t`` are read, and ``o_t`` (``BV`` numbers) written.
@@ -25,6 +25,8 @@ the state once and write it once. Its design follows from that:
   program reads its tile before writing it and no two programs share a tile, so this is safe,
   and a decoding loop needs no new state allocation per step.
 """
+
+import functools
 
 import torch
 import triton
@@ -94,14 +96,26 @@ def _fused_recurrent_kda_kernel(
         tl.store(ht_ptr + state_offs, S, mask=mask_kv)
 
 
-def _default_config(K: int, V: int) -> tuple[int, int]:
-    """Value block and warps: keep the fp32 state tile at 4096 numbers (16 KiB, 32 per thread).
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for the interpreter, which runs programs in turn."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
-    Smaller tiles mean more programs for the same state, which is what a decoding batch needs
-    to keep every SM busy while it streams the state through.
+
+def _default_config(K: int, V: int, n_states: int, device: torch.device) -> tuple[int, int]:
+    """Value block BV and warps for ``n_states`` (sequence, value head) pairs.
+
+    Start from an fp32 state tile of 8192 numbers (32 KiB, 64 per thread at 4 warps): on an
+    H200 at B = 64, HV = 32, K = V = 128 that is BV = 64 and 4096 programs. A small batch gives
+    too few programs to keep every SM streaming, so halve BV (doubling the programs) until there
+    are at least four per SM or BV reaches 16.
     """
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), max(4096 // BK, 16))
+    BV = min(triton.next_power_of_2(V), max(8192 // BK, 16))
+    while BV > 16 and triton.cdiv(V, BV) * n_states < 4 * _sm_count(device):
+        BV //= 2
     return BV, 4
 
 
@@ -247,7 +261,7 @@ def fused_recurrent_kda(
         initial_state = initial_state.contiguous()
     scale = resolve_scale(scale, K)
 
-    block_v, num_warps = _default_config(K, V)
+    block_v, num_warps = _default_config(K, V, N * HV, q.device)
     if interpreting():
         num_warps = 1
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))

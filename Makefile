@@ -53,7 +53,7 @@ unit: $(STAMP)
 
 notebooks: $(STAMP)
 	@mkdir -p $(REPORTS)
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider \
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=180 -p no:cacheprovider \
 		--junitxml=$(REPORTS)/notebooks.xml book/[0-9][0-9]_*.ipynb
 
 build-strict: $(STAMP) $(ASSETS)

@@ -19,6 +19,15 @@ def junit_counts(path: Path) -> tuple[int, int, int]:
     return tests - failed - skipped, failed, skipped
 
 
+def notebook_seconds(path: Path) -> dict[str, float]:
+    """Wall time per notebook: the sum of its cells' times (nbval reports one test per cell)."""
+    seconds: dict[str, float] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("classname", "").split(".")[-1] or case.get("file", "?")
+        seconds[name] = seconds.get(name, 0.0) + float(case.get("time", 0))
+    return seconds
+
+
 def main() -> None:
     reports = Path(sys.argv[1])
     total = [0, 0, 0]
@@ -26,6 +35,9 @@ def main() -> None:
         passed, failed, skipped = junit_counts(reports / f"{name}.xml")
         print(f"{name}: {passed} passed, {failed} failed, {skipped} skipped")
         total = [total[0] + passed, total[1] + failed, total[2] + skipped]
+    times = notebook_seconds(reports / "notebooks.xml")
+    print("notebook times: " + ", ".join(f"{name} {sec:.0f} s" for name, sec in sorted(times.items())))
+    print(f"notebooks in all: {sum(times.values()) / 60:.1f} min")
     browser = json.loads((reports / "browser.json").read_text())
     if "skipped" in browser:
         print(f"browser: skipped ({browser['skipped']})")

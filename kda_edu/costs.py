@@ -5,8 +5,9 @@ Two quantities per appended token, for one sequence (batch 1):
 - **FLOPs** of the matrix products (2 per multiply-add), plus, for KDA, the elementwise work on the state
   (decay: 1 per entry; rank-1 update: 2 per entry), which is as large as a product there. Elementwise work on
   vectors (softmax, gates, norms, activations) is left out: it is O(S H) or O(D) per token, small next to the
-  products. For MLA (and the KDA decoding step) the product FLOPs are exactly what
-  `torch.utils.flop_counter.FlopCounterMode` counts for one forward call of our layers (tested).
+  products. For MLA these are exactly the FLOPs `torch.utils.flop_counter.FlopCounterMode` counts for one
+  forward call of our layer; for the KDA decoding step, that count plus the state work and the short
+  convolution, which our code writes as elementwise operations (tested).
 - **Bytes** of cache traffic: the cache read and written, plus the intermediates a mode materialises per
   position (MHA mode's expanded keys and values). Weights are left out (every mode reads the same weights once
   per call, whatever the context length).

@@ -32,7 +32,7 @@ def test_mla_flops_match_torchs_count(mode, appended):
     assert cost.flops * appended == pytest.approx(flops)
 
 
-def test_kda_decoding_step_flops_match_torchs_count_plus_the_elementwise_state_work():
+def test_kda_decoding_step_flops_match_torchs_count_plus_the_elementwise_work():
     config = KDAConfig(num_heads=2, head_dim=4, num_v_heads=4, v_head_dim=6, gate_rank=5)
     torch.manual_seed(0)
     layer = KDALayer(D, config)
@@ -41,7 +41,9 @@ def test_kda_decoding_step_flops_match_torchs_count_plus_the_elementwise_state_w
         layer(torch.randn(1, 5, D), cache=cache)
         flops = counted_flops(lambda: layer(torch.randn(1, 1, D), cache=cache))
     cost = kda_token_cost(config, D)
-    elementwise = 4 * 3 * 4 * 6  # decay (1) + rank-1 update (2) per state entry, 4 value heads of 4 x 6
+    state = 4 * 3 * 4 * 6  # decay (1) + rank-1 update (2) per state entry, 4 value heads of 4 x 6
+    conv = 2 * 4 * (2 * 2 * 4 + 4 * 6)  # 2 W C: our short convolution is a sum of shifted copies
+    elementwise = state + conv
     assert cost.flops == pytest.approx(flops + elementwise)
 
 

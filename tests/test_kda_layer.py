@@ -26,9 +26,7 @@ def test_short_conv_is_causal_depthwise_and_resumable():
     conv = ShortConv(3, 4).double()
     x = torch.randn(2, 9, 3, dtype=torch.float64)
     y, window = conv(x)
-    w = conv.conv.weight[:, 0]  # [C, W]
-    padded = F.pad(x, (0, 0, 3, 0))
-    expected = torch.stack([(padded[:, t : t + 4] * w.T).sum(dim=1) for t in range(9)], dim=1)
+    expected = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight[:, None, :], groups=3).transpose(1, 2)
     torch.testing.assert_close(y, F.silu(expected))
     torch.testing.assert_close(window, x[:, -3:])
     y1, w1 = conv(x[:, :5])
@@ -179,7 +177,7 @@ def _fla_copy(ours: KDALayer, mode: str):
         norm_eps=cfg.norm_eps,
     )
     HK = cfg.num_heads * cfg.head_dim
-    conv_q, conv_k, conv_v = ours.conv.conv.weight.split([HK, HK, cfg.hv * cfg.v_dim], dim=0)
+    conv_q, conv_k, conv_v = ours.conv.weight[:, None, :].split([HK, HK, cfg.hv * cfg.v_dim], dim=0)
     ours_to_theirs = {
         "q_proj.weight": ours.q_proj.weight,
         "k_proj.weight": ours.k_proj.weight,

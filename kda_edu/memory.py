@@ -11,14 +11,17 @@ API:
   returns a float64 tensor `[len(n_pairs)]`: for each n, the relative squared retrieval error
   `sum_i ||S^T k_i - v_i||^2 / sum_i ||v_i||^2` over the n stored pairs, pooled over `trials` independent
   memories. The n-pair memories are nested: the memory of n pairs holds the first n pairs of the largest one.
-  `rule` is a name in `WRITE_RULES` (`"linear"`, `"delta"`) or any callable
+  `rule` is a name in `WRITE_RULES` (`"linear"`, `"delta"`, `"least_squares"`: the best possible state, a
+  floor for every rule) or any callable
   `write(k [B, n, 1, K], v [B, n, 1, V]) -> S [B, 1, K, V]` that writes the n pairs in order into an empty
   state and returns it (B = trials, one head).
 - `make_keys(trials, n, d_k, kind, generator)` draws unit-length keys `[trials, n, 1, d_k]`: `"random"`
   (uniform directions) or `"orthogonal"` (orthonormal, needs n <= d_k).
 - `linear_crosstalk(n, d_k)`: the expected relative error of the linear rule with random unit keys,
-  `(n - 1) / d_k` (derived in chapter 2).
-- `key_overlaps(n, d_k, kind, seed)`: the `[n, n]` matrix of overlaps `k_i . k_j` of one draw of keys.
+  `(n - 1) / d_k` (derived in chapter 2); `least_squares_floor(n, d_k)`: the expected error of the best
+  possible state with random keys and Gaussian values, `max(0, (n - d_k) / n)`.
+- `key_overlaps(n, d_k, kind, seed)`: the `[n, n]` matrix of overlaps `k_i . k_j` of one draw of keys, and
+  `draw_interference(ax, n, d_k, seed)`, its heatmap on a matplotlib Axes.
 
 Keys, values and states are float32; the error is accumulated in float64.
 """
@@ -52,7 +55,21 @@ def write_delta(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return delta_rule_chunked(k, k, v, beta, output_final_state=True)[1]
 
 
-WRITE_RULES: dict[str, WriteRule] = {"linear": write_linear, "delta": write_delta}
+def write_least_squares(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The best state any rule could write: `S = argmin ||K S - V||^2 = pinv(K) V` (minimum norm).
+
+    Not a recurrence: it sees all pairs at once. Its retrieval error is the floor of every writing rule.
+    k `[B, n, 1, K]`, v `[B, n, 1, V]`; returns S `[B, 1, K, V]`.
+    """
+    K, V = k[:, :, 0], v[:, :, 0]  # [B, n, K], [B, n, V]
+    return (torch.linalg.pinv(K) @ V).unsqueeze(1)
+
+
+WRITE_RULES: dict[str, WriteRule] = {
+    "linear": write_linear,
+    "delta": write_delta,
+    "least_squares": write_least_squares,
+}
 
 
 def make_keys(trials: int, n: int, d_k: int, kind: str, generator: torch.Generator) -> torch.Tensor:
@@ -126,7 +143,27 @@ def linear_crosstalk(n, d_k: int):
     return (n - 1) / d_k
 
 
+def least_squares_floor(n, d_k: int):
+    """Expected relative error of the best state `pinv(K) V` for n random keys in d_k dimensions, Gaussian values.
+
+    `K S` can only reach the d_k-dimensional column space of K (`[n, d_k]`); each column of V has n independent
+    Gaussian entries, and the part outside that space, `(n - d_k) / n` of its energy on average, is lost.
+    """
+    return max(0.0, (n - d_k) / n)
+
+
 def key_overlaps(n: int, d_k: int, kind: str = "random", seed: int = 0) -> torch.Tensor:
     """The `[n, n]` overlap matrix `k_i . k_j` of one draw of n unit keys (ones on the diagonal)."""
     k = make_keys(1, n, d_k, kind, torch.Generator().manual_seed(seed))[0, :, 0]  # [n, d_k]
     return k @ k.T
+
+
+def draw_interference(ax, n: int, d_k: int, seed: int = 0):
+    """Draw the overlaps `k_i . k_j` (i != j) of n random unit keys in d_k dimensions as a heatmap on `ax`.
+
+    The keys are those of `retrieval_error(..., seed=seed)`'s first memory. The diagonal (each key with itself,
+    always 1) is set to 0 so that only the interference shows. Returns the image, for a colour bar.
+    """
+    overlaps = key_overlaps(n, d_k, "random", seed)
+    overlaps.fill_diagonal_(0.0)
+    return ax.imshow(overlaps.numpy(), cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")

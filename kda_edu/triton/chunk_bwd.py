@@ -1,0 +1,595 @@
+"""Chunked KDA backward in Triton, and the `torch.autograd.Function` that makes `chunk_kda` differentiable.
+
+Read `kda_edu.kda.kda_chunked` and `kda_edu.triton.chunk` first: the notation is theirs. Per chunk (C = 64
+steps, gc the within-chunk gate cumsum, S0 the state entering the chunk, X = (I + A)^-1):
+
+    U   = u - w S0                          u = X Diag(beta) V,  w = X Diag(beta) (K * exp(gc))
+    O   = qg S0 + Aqk U                     qg = scale Q * exp(gc)
+    S_C = Diag(exp(gc_C)) S0 + kd^T U       kd = K * exp(gc_C - gc)
+
+Differentiating these three lines, with dO given and dS = dL/dS_C arriving from the next chunk:
+
+    dU  = Aqk^T dO + kd dS                            (the values written, seen from the loss)
+    dS0 = qg^T dO + Diag(exp(gc_C)) dS - w^T dU        (passed on to the previous chunk)
+    dqg = dO S0^T,  dkd = U dS^T,  dw = -dU S0^T,  dAqk = dO U^T,  d exp(gc_C) = rowsum(S0 * dS)
+
+Only dS0 couples the chunks: it runs backwards through time, the mirror image of the forward state pass.
+Everything else is local to a chunk once S0, dS, U and dU are known. Then through the UT transform: with
+du' = X^T dU and dw' = X^T dw, the gradient of (I + A) is -X^T dX X^T, which collapses to
+
+    dV = Diag(beta) du',   dA = -(du' u^T + dw' w^T) (strictly lower part),   d(K exp(gc)) = Diag(beta) dw'
+
+(no product with X twice). Finally the gated Gram matrices A_ij = sum_c (beta_i k_ic) k_jc exp(gc_ic - gc_jc)
+and Aqk_ij = sum_c (scale q_ic) k_jc exp(gc_ic - gc_jc): for M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc),
+
+    da_i = sum_j dM_ij b_j exp(gc_i - gc_j),   db_j = sum_i dM_ij a_i exp(gc_i - gc_j),
+    dgc  = a * da - b * db
+
+and every term `x * exp(f(gc))` adds `x * dx` to dgc. The gate g enters only through gc = cumsum(g), so
+dg is the reverse cumulative sum of dgc within the chunk (the chunk-end terms land on its last row).
+
+The kernels, in order (all but the two passes are parallel over chunks):
+
+    1-2. `_prepare_kernel`: recomputes what chunk.py's prepare kernel computes (w, u, qg, kd, Aqk, exp(gc_C))
+       and also keeps X = (I + A)^-1, which the forward uses only inside its prepare kernel.
+    3. `_states_kernel`: the forward state pass again, storing each chunk's S0 and U.
+    4. `_dstates_kernel`: the backward state pass, storing each chunk's dS and dU; gives dS for h0.
+    5. `_local_v_kernel`: everything that sums over the value dimension (products against S0, dS, U, dU, V):
+       dv, the element-wise parts of dq, dk, dgc, dbeta, and the C x C matrices dA and dAqk.
+    6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, then dg = reverse cumsum of dgc.
+
+Recomputed rather than stored by the forward: everything except the inputs. The forward (chunk.py's launcher,
+untouched) saves only q, k, v, g, beta and h0. Recomputing 1-2 costs O(T C K) parallel work, about a
+forward's prepare; storing them would cost (3K + V + 2C) numbers per step and head across the whole forward
+and backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be recomputed locally: they are
+stored for the duration of the backward only, in the 16-bit input dtype (float32 for float32 inputs), the
+precision the forward itself multiplies them in.
+
+Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
+before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use
+the middle-row anchor when the gates allow it and the exact pairwise form otherwise (see chunk.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_edu._backend import interpreting
+from kda_edu._checks import check_kda_inputs, resolve_scale
+from kda_edu.triton.chunk import _chunk_kda_fwd
+
+CHUNK = 64  # steps per chunk in the backward (its own choice; the forward's may differ)
+SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
+_DIAG_LIMIT = tl.constexpr(96.0)  # same bound as chunk.py: anchored diagonal blocks stay in float32 range
+LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _load_rows(ptr, t, row_stride, cols, n_cols, T):
+    """[len(t), len(cols)] tile whose row for step t starts at ptr + t * row_stride; zeros outside."""
+    mask = (t[:, None] < T) & (cols[None, :] < n_cols)
+    return tl.load(ptr + t[:, None].to(tl.int64) * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _unit_lower_inverse(L, BC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block: L^16 = 0, so the Neumann series
+    I - L + L^2 - ... - L^15 is exact and factors as (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    r = tl.arange(0, BC)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - L
+    P = L
+    for _ in tl.static_range(3):
+        P = tl.dot(P, P, input_precision="ieee")  # L^2, L^4, L^8
+        X += tl.dot(X, P, input_precision="ieee")
+    return X
+
+
+@triton.jit
+def _diag_span(gc_a, BC: tl.constexpr):
+    """Largest half-block gate sum (base 2) of a 16-row block: decides if the middle anchor is safe."""
+    rc = tl.arange(0, BC)
+    mid = tl.sum(tl.where((rc == BC // 2)[:, None], gc_a, 0.0), axis=0)
+    first = tl.sum(tl.where((rc == 0)[:, None], gc_a, 0.0), axis=0)
+    last = tl.sum(tl.where((rc == BC - 1)[:, None], gc_a, 0.0), axis=0)
+    span = tl.maximum(tl.max(first - mid, axis=0), tl.max(mid - last, axis=0))
+    return mid, span
+
+
+@triton.jit
+def _diag_gram(a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """M_ij = sum_c a_ic b_jc 2^(gc_ic - gc_jc) for one 16 x 16 diagonal block (entries j > i are junk)."""
+    mid, span = _diag_span(gc_a, BC)
+    if span <= _DIAG_LIMIT:
+        M = tl.dot(a_a * tl.exp2(gc_a - mid[None, :]), tl.trans(b_a * tl.exp2(mid[None, :] - gc_a)),
+                   input_precision=PREC)  # fmt: skip
+    else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
+        rc = tl.arange(0, BC)
+        M = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            b_j = tl.sum(tl.where(pick, b_a, 0.0), axis=0)
+            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0))
+            M = tl.where(rc[None, :] == j, tl.sum(a_a * b_j[None, :] * e, axis=1)[:, None], M)
+    return M
+
+
+@triton.jit
+def _diag_gram_bwd(dM, a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """Backward of `_diag_gram` for a masked dM: da_i = sum_j dM_ij b_j e_ij, db_j = sum_i dM_ij a_i e_ij."""
+    mid, span = _diag_span(gc_a, BC)
+    if span <= _DIAG_LIMIT:
+        row_f = tl.exp2(gc_a - mid[None, :])
+        col_f = tl.exp2(mid[None, :] - gc_a)
+        da = tl.dot(dM, b_a * col_f, input_precision=PREC) * row_f
+        db = tl.dot(tl.trans(dM), a_a * row_f, input_precision=PREC) * col_f
+    else:
+        rc = tl.arange(0, BC)
+        da = tl.zeros(a_a.shape, dtype=tl.float32)
+        db = tl.zeros(b_a.shape, dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            b_j = tl.sum(tl.where(pick, b_a, 0.0), axis=0)
+            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+            dm_j = tl.sum(tl.where(rc[None, :] == j, dM, 0.0), axis=1)  # column j of dM
+            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * dm_j[:, None]
+            da += e * b_j[None, :]
+            db = tl.where(pick, tl.sum(e * a_a, axis=0)[None, :], db)
+    return da, db
+
+
+@triton.jit
+def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Place a [BC, BK] block as rows a*BC .. a*BC + BC - 1 of a zero [NB*BC, BK] tile."""
+    rows = tl.arange(0, NB * BC)
+    rep = tl.reshape(tl.broadcast_to(x_a[None, :, :], [NB, BC, BK]), [NB * BC, BK])
+    return tl.where((rows // BC == a)[:, None], rep, 0.0)
+
+
+@triton.jit
+def _prepare_kernel(
+    q, k, v, g, beta,  # inputs as in chunk.py
+    x, w, u, qg, kd, aqk, gl,  # outputs: X [B*HV*NT*BT, BT] float32; the rest as chunk.py's prepare
+    T, H, HV, K, V, scale,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, batch, value head): A and Aqk sub-chunk by sub-chunk, X = (I + A)^-1 block row by block
+    row, then w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V, qg, kd and exp(gc_C)."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    NB: tl.constexpr = BT // BC
+    L2E: tl.constexpr = 1.4426950408889634
+    t0 = i_n * BT
+    rows = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    ck = tl.arange(0, BK)
+    cv = tl.arange(0, BV)
+    q_bh = q + (i_b * T * H + i_h).to(tl.int64) * K
+    k_bh = k + (i_b * T * H + i_h).to(tl.int64) * K
+    g_bh = g + (i_b * T * HV + i_hv).to(tl.int64) * K
+    b_bh = beta + (i_b * T * HV + i_hv).to(tl.int64)
+
+    t_all = t0 + rows
+    out_t = (i_bh * (tl.num_programs(0) * BT) + t_all).to(tl.int64)
+    k_all = _load_rows(k_bh, t_all, H * K, ck, K, T).to(tl.float32)
+    gc = tl.cumsum(_load_rows(g_bh, t_all, HV * K, ck, K, T).to(tl.float32) * L2E, axis=0)
+
+    X = tl.zeros([BT, BT], dtype=tl.float32)
+    start = tl.zeros([BK], dtype=tl.float32)
+    for a in tl.static_range(NB):
+        ta = t0 + a * BC + rc
+        k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
+        qs_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
+        g_a = _load_rows(g_bh, ta, HV * K, ck, K, T).to(tl.float32) * L2E
+        beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
+        gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
+        diag = rows[None, :] == (a * BC + rc)[:, None]  # [BC, BT]: column of row i's own step
+        if a > 0:  # columns before the block, anchored at its start boundary: both exponents <= 0
+            row_f = tl.exp2(gc_a - start[None, :])
+            col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
+            k_col = tl.trans(k_all * col_f)
+            a_off = tl.dot(k_a * row_f, k_col, input_precision=PREC)  # [BC, BT], zero from column a*BC on
+            aqk_off = tl.dot(qs_a * row_f, k_col, input_precision=PREC)
+            rhs = tl.where(diag, 1.0, 0.0) - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
+        else:
+            aqk_off = tl.zeros([BC, BT], dtype=tl.float32)
+            rhs = tl.where(diag, 1.0, 0.0)
+        a_dd = tl.where(rc[:, None] > rc[None, :], _diag_gram(k_a, k_a, gc_a, BC, PREC), 0.0)
+        aqk_dd = tl.where(rc[:, None] >= rc[None, :], _diag_gram(qs_a, k_a, gc_a, BC, PREC), 0.0)
+        row_off = (i_bh * (tl.num_programs(0) * BT) + t0 + a * BC + rc).to(tl.int64)[:, None] * BT
+        inside = (rows >= a * BC) & (rows < (a + 1) * BC)
+        tl.store(aqk + row_off + rows[None, :], aqk_off.to(aqk.dtype.element_ty), mask=(~inside)[None, :])
+        tl.store(aqk + row_off + a * BC + rc[None, :], aqk_dd.to(aqk.dtype.element_ty))
+        # Block row a of X: X_a = (I + L_aa)^-1 (E_a - L_a,<a X), with L = Diag(beta) A.
+        x_a = tl.dot(_unit_lower_inverse(beta_a[:, None] * a_dd, BC), rhs, input_precision=PREC)
+        X += _rows_of_block(x_a, a, NB, BC, BT)
+        start += tl.sum(g_a, axis=0)
+
+    tl.store(x + out_t[:, None] * BT + rows[None, :], X)
+    beta_all = tl.load(b_bh + t_all.to(tl.int64) * HV, mask=t_all < T, other=0.0).to(tl.float32)
+    xb = X * beta_all[None, :]
+    tl.store(w + out_t[:, None] * BK + ck[None, :],
+             tl.dot(xb, k_all * tl.exp2(gc), input_precision=PREC).to(w.dtype.element_ty))  # fmt: skip
+    v_all = _load_rows(v + (i_b * T * HV + i_hv).to(tl.int64) * V, t_all, HV * V, cv, V, T).to(tl.float32)
+    tl.store(
+        u + out_t[:, None] * BV + cv[None, :], tl.dot(xb, v_all, input_precision=PREC).to(u.dtype.element_ty)
+    )
+    qs = _load_rows(q_bh, t_all, H * K, ck, K, T).to(tl.float32) * scale
+    tl.store(qg + out_t[:, None] * BK + ck[None, :], (qs * tl.exp2(gc)).to(qg.dtype.element_ty))
+    gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
+    tl.store(
+        kd + out_t[:, None] * BK + ck[None, :],
+        (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
+    )
+    tl.store(gl + (i_bh * tl.num_programs(0) + i_n).to(tl.int64) * BK + ck, tl.exp2(gc_end))
+
+
+@triton.jit
+def _states_kernel(
+    w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [B*HV, K, V] f32; out: S0 per chunk, U per chunk
+    K, V, NT,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The forward state pass again, storing the state entering each chunk and the values U it writes."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                     mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)  # fmt: skip
+    base = i_bh.to(tl.int64) * NT * BT
+    for n in range(NT):
+        r = (base + n * BT + rows)[:, None]
+        s_lo = S.to(h.dtype.element_ty)
+        tl.store(h + ((i_bh.to(tl.int64) * NT + n) * BK + ck[:, None]) * BVP + cv[None, :], s_lo)
+        w_n = tl.load(w + r * BK + ck[None, :])
+        kd_n = tl.load(kd + r * BK + ck[None, :])
+        decay = tl.load(gl + (i_bh.to(tl.int64) * NT + n) * BK + ck)
+        U = tl.load(u + r * BVP + cv[None, :]).to(tl.float32) - tl.dot(
+            w_n, s_lo.to(w_n.dtype), input_precision=PREC
+        )
+        u_lo = U.to(vn.dtype.element_ty)
+        tl.store(vn + r * BVP + cv[None, :], u_lo)
+        S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo.to(kd_n.dtype), input_precision=PREC)
+
+
+@triton.jit
+def _dstates_kernel(
+    qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0,  # dh: dS per chunk; dvn: dU per chunk (float32)
+    T, HV, K, V, NT,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The backward state pass, last chunk first: dU = Aqk^T dO + kd dS; dS <- qg^T dO + exp(gc_C) dS - w^T dU."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    s_mask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_off = i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        dS += tl.load(dht + s_off, mask=s_mask, other=0.0)
+    base = i_bh.to(tl.int64) * NT * BT
+    do_bh = do + (i_bh // HV).to(tl.int64) * T * HV * V + (i_bh % HV) * V
+    for i in range(NT):
+        n = NT - 1 - i
+        t = n * BT + rows
+        r = (base + t)[:, None]
+        qg_n = tl.load(qg + r * BK + ck[None, :])
+        kd_n = tl.load(kd + r * BK + ck[None, :])
+        w_n = tl.load(w + r * BK + ck[None, :])
+        a_n = tl.load(aqk + r * BT + rows[None, :])
+        decay = tl.load(gl + (i_bh.to(tl.int64) * NT + n) * BK + ck)
+        do_n = tl.load(do_bh + t[:, None].to(tl.int64) * HV * V + cv[None, :],
+                       mask=(t[:, None] < T) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
+        ds_lo = dS.to(dh.dtype.element_ty)
+        tl.store(dh + ((i_bh.to(tl.int64) * NT + n) * BK + ck[:, None]) * BVP + cv[None, :], ds_lo)
+        dU = tl.dot(tl.trans(a_n), do_n, input_precision=PREC) + tl.dot(
+            kd_n, ds_lo.to(kd_n.dtype), input_precision=PREC
+        )
+        tl.store(dvn + r * BVP + cv[None, :], dU)
+        dS = dS * decay[:, None] + tl.dot(tl.trans(qg_n), do_n, input_precision=PREC)
+        dS -= tl.dot(tl.trans(w_n), dU.to(w_n.dtype), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + s_off, dS, mask=s_mask)
+
+
+@triton.jit
+def _local_v_kernel(
+    q, k, v, g, beta, do,  # inputs and dO
+    u, w, x, h, vn, dh, dvn,  # recomputed intermediates
+    dv, dq, dk, dgc, dgc_end, dbeta, dA, dAqk,  # outputs (dq, dk, dgc, dbeta partial; dA, dAqk for kernel 6)
+    T, H, HV, K, V, scale,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per chunk: all sums over the value dimension, then the element-wise gate terms. See the module doc."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    NT = tl.num_programs(0)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    L2E: tl.constexpr = 1.4426950408889634
+    t0 = i_n * BT
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    t_all = t0 + rows
+    r = (i_bh.to(tl.int64) * NT * BT + t_all)[:, None]  # row of the padded intermediates
+    hb = (i_bh.to(tl.int64) * NT + i_n) * BK  # first row of this chunk's state tiles
+    vt_bh = (i_b * T * HV + i_hv).to(tl.int64) * V  # [B, T, HV, V] tensors: row t at + t * HV * V
+    beta_all = tl.load(beta + (i_b * T * HV + i_hv).to(tl.int64) + t_all.to(tl.int64) * HV,
+                       mask=t_all < T, other=0.0).to(tl.float32)  # fmt: skip
+    X = tl.load(x + r * BT + rows[None, :])
+
+    dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dM_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    dM_kk = tl.zeros([BT, BT], dtype=tl.float32)  # -dA, before masking
+    dgl = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        vm = cv[None, :] < V
+        tm = (t_all[:, None] < T) & vm
+        s_ptr = (hb + ck[:, None]) * BVP + cv[None, :]
+        S0 = tl.load(h + s_ptr, mask=vm, other=0.0)
+        dS = tl.load(dh + s_ptr, mask=vm, other=0.0)
+        U = tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0)
+        dU = tl.load(dvn + r * BVP + cv[None, :], mask=vm, other=0.0)
+        u_c = tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32)
+        do_c = tl.load(do + vt_bh + t_all[:, None].to(tl.int64) * HV * V + cv[None, :], mask=tm, other=0.0)
+        v_c = tl.load(v + vt_bh + t_all[:, None].to(tl.int64) * HV * V + cv[None, :], mask=tm, other=0.0)
+        do_c = do_c.to(S0.dtype)
+        dqg += tl.dot(do_c, tl.trans(S0), input_precision=PREC)
+        dkd += tl.dot(U, tl.trans(dS), input_precision=PREC)
+        dw -= tl.dot(dU.to(S0.dtype), tl.trans(S0), input_precision=PREC)
+        dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
+        dgl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), axis=1)
+        dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
+        tl.store(dv + vt_bh + t_all[:, None].to(tl.int64) * HV * V + cv[None, :],
+                 (beta_all[:, None] * dup).to(dv.dtype.element_ty), mask=tm)  # fmt: skip
+        db += tl.sum(dup * v_c.to(tl.float32), axis=1)
+        dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
+
+    # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
+    k_all = _load_rows(k + (i_b * T * H + i_h).to(tl.int64) * K, t_all, H * K, ck, K, T).to(tl.float32)
+    qs = _load_rows(q + (i_b * T * H + i_h).to(tl.int64) * K, t_all, H * K, ck, K, T).to(tl.float32) * scale
+    gc = tl.cumsum(_load_rows(g + (i_b * T * HV + i_hv).to(tl.int64) * K, t_all, HV * K, ck, K, T)
+                   .to(tl.float32) * L2E, axis=0)  # fmt: skip
+    gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
+    w_c = tl.load(w + r * BK + ck[None, :]).to(tl.float32)
+    dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
+    dM_kk += tl.dot(dwp, tl.trans(w_c), input_precision=PREC)
+    eg = tl.exp2(gc)
+    ed = tl.exp2(gc_end[None, :] - gc)
+    kg = k_all * eg
+    db += tl.sum(dwp * kg, axis=1)
+    dkg = beta_all[:, None] * dwp
+    dgc_c = qs * eg * dqg + kg * dkg - k_all * ed * dkd
+    end = tl.sum(k_all * ed * dkd, axis=0) + tl.exp2(gc_end) * dgl
+
+    kt = (i_b * T * HV + i_hv).to(tl.int64) * K + t_all[:, None].to(tl.int64) * HV * K + ck[None, :]
+    km = (t_all[:, None] < T) & (ck[None, :] < K)
+    tl.store(dq + kt, scale * eg * dqg, mask=km)
+    tl.store(dk + kt, eg * dkg + ed * dkd, mask=km)
+    tl.store(dgc + kt, dgc_c, mask=km)
+    tl.store(dgc_end + (i_bh.to(tl.int64) * NT + i_n) * BK + ck, end)
+    tl.store(dbeta + (i_b * T * HV + i_hv).to(tl.int64) + t_all.to(tl.int64) * HV, db, mask=t_all < T)
+    m_off = r * BT + rows[None, :]
+    tl.store(dA + m_off, tl.where(rows[:, None] > rows[None, :], -dM_kk, 0.0))
+    tl.store(dAqk + m_off, tl.where(rows[:, None] >= rows[None, :], dM_qk, 0.0))
+
+
+@triton.jit
+def _local_k_kernel(
+    q, k, g, beta, dA, dAqk, dgc_end,  # inputs; dA, dAqk, dgc_end from _local_v_kernel
+    dq, dk, dgc, dbeta,  # partial gradients, completed in place (dgc becomes dg)
+    T, H, HV, K, scale,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Per chunk: gradients through the gated Gram matrices A and Aqk, then dg = reverse cumsum of dgc."""
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    NT = tl.num_programs(0)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    NB: tl.constexpr = BT // BC
+    L2E: tl.constexpr = 1.4426950408889634
+    t0 = i_n * BT
+    rows = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    ck = tl.arange(0, BK)
+    t_all = t0 + rows
+    q_bh = q + (i_b * T * H + i_h).to(tl.int64) * K
+    k_bh = k + (i_b * T * H + i_h).to(tl.int64) * K
+    g_bh = g + (i_b * T * HV + i_hv).to(tl.int64) * K
+    b_bh = beta + (i_b * T * HV + i_hv).to(tl.int64)
+    m_bh = i_bh.to(tl.int64) * NT * BT
+
+    k_all = _load_rows(k_bh, t_all, H * K, ck, K, T).to(tl.float32)
+    gc = tl.cumsum(_load_rows(g_bh, t_all, HV * K, ck, K, T).to(tl.float32) * L2E, axis=0)
+
+    acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
+    acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_dgc = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_db = tl.zeros([BT], dtype=tl.float32)
+    db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
+    start = tl.zeros([BK], dtype=tl.float32)
+    for a in tl.static_range(NB):
+        ta = t0 + a * BC + rc
+        k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
+        qs_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
+        g_a = _load_rows(g_bh, ta, HV * K, ck, K, T).to(tl.float32) * L2E
+        beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
+        gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
+        bk_a = beta_a[:, None] * k_a
+        m_rows = (m_bh + t0 + a * BC + rc)[:, None] * BT
+        if a > 0:  # columns before the block, anchored at its start boundary
+            dA_a = tl.load(dA + m_rows + rows[None, :])
+            dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
+            row_f = tl.exp2(gc_a - start[None, :])
+            col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
+            k_col = k_all * col_f
+            da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
+            da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
+            db_all += col_f * (
+                tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
+                + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
+            )
+        else:
+            da_kk = tl.zeros([BC, BK], dtype=tl.float32)
+            da_qk = tl.zeros([BC, BK], dtype=tl.float32)
+        dA_d = tl.load(dA + m_rows + a * BC + rc[None, :])
+        dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
+        da_d, db_kk = _diag_gram_bwd(dA_d, bk_a, k_a, gc_a, BC, PREC)
+        da_kk += da_d
+        da_d, db_qk = _diag_gram_bwd(dQ_d, qs_a, k_a, gc_a, BC, PREC)
+        da_qk += da_d
+        db_a = db_kk + db_qk
+        acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
+        acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
+        acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
+        acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
+        start += tl.sum(g_a, axis=0)
+
+    kt = (i_b * T * HV + i_hv).to(tl.int64) * K + t_all[:, None].to(tl.int64) * HV * K + ck[None, :]
+    km = (t_all[:, None] < T) & (ck[None, :] < K)
+    tl.store(dq + kt, tl.load(dq + kt, mask=km, other=0.0) + acc_dq, mask=km)
+    tl.store(dk + kt, tl.load(dk + kt, mask=km, other=0.0) + acc_dk + db_all, mask=km)
+    bt = (i_b * T * HV + i_hv).to(tl.int64) + t_all.to(tl.int64) * HV
+    tl.store(dbeta + bt, tl.load(dbeta + bt, mask=t_all < T, other=0.0) + acc_db, mask=t_all < T)
+    # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row.
+    end = tl.load(dgc_end + (i_bh.to(tl.int64) * NT + i_n) * BK + ck)
+    d = tl.load(dgc + kt, mask=km, other=0.0) + acc_dgc - k_all * db_all
+    d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
+    dg = tl.sum(d, axis=0)[None, :] - tl.cumsum(d, axis=0) + d
+    tl.store(dgc + kt, dg, mask=km)
+
+
+def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht):
+    """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    interp = interpreting()
+    BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
+    NT = triton.cdiv(T, BT)
+    idt = torch.float32 if (interp or q.dtype == torch.float32) else q.dtype
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    dev = q.device
+    rows = B * HV * NT * BT
+    f32 = dict(device=dev, dtype=torch.float32)
+    lo = dict(device=dev, dtype=idt)
+
+    # 1-2. Recompute the chunk-local intermediates and the UT inverse.
+    w, qg, kd = (torch.empty(rows, BK, **lo) for _ in range(3))
+    u = torch.empty(rows, BVP, **lo)
+    aqk = torch.empty(rows, BT, **lo)
+    gl = torch.empty(B * HV * NT, BK, **f32)
+    x = torch.empty(rows, BT, **f32)
+    _prepare_kernel[(NT, B * HV)](
+        q, k, v, g, beta, x, w, u, qg, kd, aqk, gl, T, H, HV, K, V, scale,
+        BT=BT, BC=SUB, BK=BK, BV=BVP, PREC=prec, num_warps=4 if BK <= 64 else 8,
+    )  # fmt: skip
+
+    # 3-4. The two passes over chunks: states forward, state gradients backward.
+    bv = min(BVP, 32)
+    if not interp and B * HV * triton.cdiv(V, bv) < 128:
+        bv = 16
+    stages = 1 if BK * w.element_size() > 512 else 2
+    h = torch.empty(B * HV * NT, BK, BVP, **lo)
+    vn = torch.empty(rows, BVP, **lo)
+    _states_kernel[(triton.cdiv(V, bv), B * HV)](
+        w, u, kd, gl, h0, h, vn, K, V, NT,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, PREC=prec, num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    dh = torch.empty(B * HV * NT, BK, BVP, **lo)
+    dvn = torch.empty(rows, BVP, **f32)
+    dh0 = torch.empty(B, HV, K, V, **f32) if h0 is not None else None
+    _dstates_kernel[(triton.cdiv(V, bv), B * HV)](
+        qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0, T, HV, K, V, NT,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec,
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    del qg, kd
+
+    # 5-6. Chunk-local gradients.
+    dv = torch.empty_like(v)
+    dq = torch.empty(B, T, HV, K, **f32)
+    dk = torch.empty(B, T, HV, K, **f32)
+    dg = torch.empty(B, T, HV, K, **f32)
+    dbeta = torch.empty(B, T, HV, **f32)
+    dgc_end = torch.empty(B * HV * NT, BK, **f32)
+    dA = torch.empty_like(x)
+    dAqk = aqk  # Aqk is no longer needed after kernel 4: its buffer takes dAqk
+    _local_v_kernel[(NT, B * HV)](
+        q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, dbeta, dA, dAqk,
+        T, H, HV, K, V, scale, BT=BT, BK=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, num_warps=8,
+    )  # fmt: skip
+    _local_k_kernel[(NT, B * HV)](
+        q, k, g, beta, dA, dAqk, dgc_end, dq, dk, dg, dbeta, T, H, HV, K, scale,
+        BT=BT, BC=SUB, BK=BK, PREC=prec, num_warps=4,
+    )  # fmt: skip
+    if HV != H:  # a query/key head serves HV // H value heads: add their gradients
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """`chunk_kda` with a Triton backward. The forward saves only its inputs; the backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        o, ht = _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.scale = scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        do = do.contiguous()
+        dht = dht.contiguous() if dht is not None else None
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht)
+        return dq, dk, dv, dg, dbeta, None, dh0, None
+
+
+def chunk_kda_autograd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`kda_edu.triton.chunk_kda` (same arguments, same result) with gradients for q, k, v, g, beta and
+    initial_state computed by the Triton backward above."""
+    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, check_values=False)
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q, k, v must be bfloat16, float16 or float32 for chunk_kda, got {q.dtype}")
+    if K > 256 or V > 256:
+        raise ValueError(
+            f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
+        )
+    return ChunkKDAFunction.apply(
+        q, k, v, g, beta, resolve_scale(scale, K), initial_state, output_final_state
+    )

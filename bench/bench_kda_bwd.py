@@ -1,0 +1,158 @@
+"""KDA forward + backward on a GPU: kda_edu's Triton backward (chunk_bwd.chunk_kda_autograd) beside fla's.
+
+Inputs as in bench/bench_kda.py: bf16 l2-normalised q, k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), float32
+log-space gate g = -5 sigmoid(N(0, 1) - 2); K = V = 128. One step = forward, then backward of sum(o * do) with
+a fixed random do; every input requires grad. Timed with `triton.testing.do_bench` (median), gradients reset
+to None between steps. Peak memory: `torch.cuda.max_memory_allocated` during one step, minus what was
+allocated before it (the inputs and do). Also the relative difference of each of our gradients from fla's.
+
+    python bench/bench_kda_bwd.py --out bench/results/h200_fwd_bwd.json
+"""
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kda_edu.triton import chunk_kda
+from kda_edu.triton.chunk_bwd import chunk_kda_autograd
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+D = 128
+TIMED = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32)]
+MEMORY = (1, 32768, 32)
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def make_inputs(B, T, H, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    bf = torch.bfloat16
+    x = dict(
+        q=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
+        k=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
+        v=randn(B, T, H, D).to(bf),
+        g=-5.0 * torch.sigmoid(randn(B, T, H, D) - 2.0),
+        beta=torch.sigmoid(randn(B, T, H)).to(bf),
+    )
+    for t in x.values():
+        t.requires_grad_()
+    return x, randn(B, T, H, D).to(bf)
+
+
+def _fla(x):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
+
+
+METHODS = {
+    "kda_edu chunk_kda_autograd": lambda x: chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
+    "fla chunk_kda": _fla,
+}
+
+
+def step(fn, x, do):
+    fn(x).backward(do)
+
+
+def peak_gib(fn, x, do):
+    for t in x.values():
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step(fn, x, do)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def kernel_times(x, do):
+    """CUDA time per kernel of one forward + backward (torch profiler), in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = METHODS["kda_edu chunk_kda_autograd"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(fn, x, do)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            out[e.key[:60]] = round(us, 1)
+    for t in x.values():
+        t.grad = None
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/h200_fwd_bwd.json")
+    args = ap.parse_args()
+    res = dict(
+        date=datetime.date.today().isoformat(),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        note="fwd+bwd = forward then backward of sum(o * do); median ms of triton.testing.do_bench",
+        rows=[],
+    )
+    for B, T, H in TIMED:
+        x, do = make_inputs(B, T, H)
+        row = dict(B=B, T=T, H=H)
+        grads = {}
+        for name, fn in METHODS.items():
+            try:
+                step(fn, x, do)  # compile
+                grads[name] = [x[n].grad.float().clone() for n in NAMES]
+                row[f"{name} fwd+bwd ms"] = do_bench(
+                    lambda fn=fn, x=x, do=do: step(fn, x, do),
+                    grad_to_none=list(x.values()),
+                    return_mode="median",
+                )
+            except Exception as e:  # noqa: BLE001 - record why a method could not run
+                row[f"{name} error"] = repr(e)[:300]
+            for t in x.values():
+                t.grad = None
+        with torch.no_grad():
+            row["kda_edu chunk_kda fwd ms"] = do_bench(
+                lambda x=x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"]), return_mode="median"
+            )
+        if (B, T, H) == TIMED[0]:
+            row["kda_edu kernels us"] = kernel_times(x, do)
+        if len(grads) == 2:
+            ours, fla = grads.values()
+            row["rel diff ours vs fla"] = {
+                n: ((a - b).norm() / b.norm()).item() for n, a, b in zip(NAMES, ours, fla, strict=True)
+            }
+        if (B, T, H) == MEMORY:
+            for name, fn in METHODS.items():
+                try:
+                    row[f"{name} peak GiB"] = peak_gib(fn, x, do)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name} peak error"] = repr(e)[:300]
+            row["inputs GiB"] = sum(t.numel() * t.element_size() for t in x.values()) / 2**30
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        x = do = grads = None
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{'B,T,H':>14} {'ours ms':>9} {'fla ms':>9} {'ratio':>6}")
+    for r in res["rows"]:
+        a, b = r.get("kda_edu chunk_kda_autograd fwd+bwd ms"), r.get("fla chunk_kda fwd+bwd ms")
+        ratio = f"{a / b:6.2f}" if a and b else "   n/a"
+        print(
+            f"{r['B']:>3},{r['T']:>6},{r['H']:>3} {a or float('nan'):9.3f} {b or float('nan'):9.3f} {ratio}"
+        )
+
+
+if __name__ == "__main__":
+    main()

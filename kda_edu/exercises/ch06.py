@@ -1,0 +1,183 @@
+"""Exercises of chapter 6 (the chunkwise algorithm): checkers and worked solutions.
+
+Each `check_*` takes the reader's function, runs it on a few random inputs and compares it with the product
+of transitions, a triangular solve or a sequential loop; each `solution_*` is the worked solution the book
+shows.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kda_edu.chunkwise import parallel_scan, transition_product
+from kda_edu.exercises import WrongAnswer, expect, passed
+
+
+def _tensor(fn, shape, *args) -> torch.Tensor:
+    try:
+        out = fn(*args)
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+    expect(
+        isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(shape),
+        f"your function must return a tensor of shape {tuple(shape)}, got "
+        f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}",
+    )
+    return out
+
+
+def _keys(n: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    k = F.normalize(torch.randn(n, K, generator=gen, dtype=torch.float64), dim=-1)
+    return k, torch.rand(n, generator=gen, dtype=torch.float64)
+
+
+# Exercise 1: the WY representation of a product of delta-rule transitions.
+
+
+def solution_wy(k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """W `[n, K]` with `(I - beta_n k_n k_n^T) ... (I - beta_1 k_1 k_1^T) = I - k^T W`.
+
+    Multiplying the product so far, `I - sum_{j<i} k_j w_j^T`, by `I - beta_i k_i k_i^T` on the left adds
+    one term `k_i w_i^T` with `w_i = beta_i (k_i - sum_{j<i} (k_i . k_j) w_j)`: each row needs only the rows
+    before it (forward substitution).
+    """
+    W = torch.zeros_like(k)
+    for i in range(k.shape[0]):
+        W[i] = beta[i] * (k[i] - (k[:i] @ k[i]) @ W[:i])
+    return W
+
+
+def check_wy(wy) -> str:
+    """`wy(k, beta)`: W `[n, K]` such that the product of the n transitions `I - beta_i k_i k_i^T` is `I - k^T W`."""
+    gen = torch.Generator().manual_seed(61)
+    for n, K in ((1, 4), (5, 8), (16, 32), (40, 24)):
+        k, beta = _keys(n, K, gen)
+        W = _tensor(wy, (n, K), k.clone(), beta.clone())
+        product = transition_product(k, torch.zeros_like(k), beta)
+        got = torch.eye(K, dtype=k.dtype) - k.T @ W
+        error = (got - product).abs().max().item()
+        if n > 1 and error > 1e-9:
+            naive = torch.eye(K, dtype=k.dtype) - k.T @ (beta[:, None] * k)
+            expect(
+                not torch.allclose(got, naive, atol=1e-9),
+                f"for n = {n}, your W is Diag(beta) k: that is right for one step only. Hint: multiply "
+                "I - k_1 w_1^T by I - beta_2 k_2 k_2^T and collect the new term k_2 (...)^T.",
+            )
+        expect(
+            error < 1e-9,
+            f"for n = {n}, K = {K}, I - k^T W differs from the product of transitions by up to {error:.3g}. "
+            "Hint: the transitions are applied in order, step 1 first (rightmost).",
+        )
+    return passed("The product of n transitions is the identity minus a rank-n matrix, k^T W.")
+
+
+# Exercise 2: the inverse of a unit lower-triangular matrix in log2(C) matrix products.
+
+
+def solution_unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """`(I + A)^-1` for strictly lower-triangular A `[C, C]`, by repeated squaring.
+
+    A is nilpotent (`A^C = 0`), so `(I + A)^-1 = I - A + A^2 - ... = (I - A)(I + A^2)(I + A^4)...`, a
+    product of ceil(log2 C) factors, each needing one squaring: every power beyond C - 1 vanishes.
+    """
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    power = -A
+    inverse = eye + power
+    for _ in range(max(A.shape[-1] - 1, 1).bit_length() - 1):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
+def check_unit_lower_inverse(inverse) -> str:
+    """`inverse(A)`: `(I + A)^-1` for a strictly lower-triangular `[C, C]` matrix A."""
+    gen = torch.Generator().manual_seed(62)
+    for C in (2, 3, 16, 33, 64):
+        k, beta = _keys(C, 16, gen)
+        A = (beta[:, None] * (k @ k.T)).tril(-1)
+        got = _tensor(inverse, (C, C), A.clone())
+        eye = torch.eye(C, dtype=A.dtype)
+        expected = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+        error = (got - expected).abs().max().item()
+        expect(
+            error < 1e-9,
+            f"for C = {C}, your inverse is off by up to {error:.3g}. Hint: (I + A)^-1 = I - A + A^2 - ..., "
+            "and the series stops because A^C = 0. Group the terms as (I - A)(I + A^2)(I + A^4)...",
+        )
+    return passed("log2(C) squarings invert a C x C unit lower-triangular matrix: no row-by-row loop.")
+
+
+# Exercise 3: a scan that is cheap, for a diagonal transition.
+
+
+def solution_compose_diagonal(later, earlier):
+    """Compose `S -> Diag(a1) S + X1`, then `S -> Diag(a2) S + X2`: `(a2 * a1, a2 * X1 + X2)`.
+
+    Diagonal transitions stay diagonal under composition, so a composition costs O(K V), like one step.
+    """
+    (a2, X2), (a1, X1) = later, earlier
+    return a2 * a1, a2[..., None] * X1 + X2
+
+
+def check_compose_diagonal(compose) -> str:
+    """`compose(later, earlier)`: the composition of two maps `S -> Diag(a) S + X`, each `(a [n, K], X [n, K, V])`."""
+    gen = torch.Generator().manual_seed(63)
+    for T in (1, 2, 7, 37):
+        a = torch.rand(T, 6, generator=gen, dtype=torch.float64)
+        X = torch.randn(T, 6, 5, generator=gen, dtype=torch.float64)
+        S, expected = torch.zeros(6, 5, dtype=torch.float64), []
+        for t in range(T):
+            S = a[t, :, None] * S + X[t]
+            expected.append(S)
+        try:
+            _, states = parallel_scan((a, X), compose)
+        except (TypeError, ValueError, RuntimeError, IndexError) as error:
+            raise WrongAnswer(
+                f"parallel_scan with your compose raised {type(error).__name__}: {error}"
+            ) from None
+        error = (states - torch.stack(expected)).abs().max().item()
+        expect(
+            error < 1e-10,
+            f"for T = {T}, the scan with your compose differs from the loop by up to {error:.3g}. Hint: apply "
+            "the earlier map first, Diag(a2) (Diag(a1) S + X1) + X2, and read off the new a and X.",
+        )
+    return passed("With diagonal transitions a scan costs O(T K V), the same as the loop.")
+
+
+# Exercise 4: the inverse built from small diagonal blocks, as the Triton kernel builds it.
+
+
+def solution_block_inverse(A: torch.Tensor, block: int) -> torch.Tensor:
+    """`(I + A)^-1` for strictly lower-triangular A `[C, C]`, one block row of `block` rows at a time.
+
+    Block row a of `(I + A) X = I` reads `(I + A_aa) X_a + A_a,<a X_<a = E_a` (E_a: rows of the identity), so
+    `X_a = (I + A_aa)^-1 (E_a - A_a,<a X_<a)`: only the small diagonal blocks are ever inverted.
+    """
+    C = A.shape[-1]
+    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+    X = torch.zeros_like(A)
+    for start in range(0, C, block):
+        rows = slice(start, min(start + block, C))
+        inner = solution_unit_lower_inverse(A[rows, rows])
+        X[rows] = inner @ (eye[rows] - A[rows, :start] @ X[:start])
+    return X
+
+
+def check_block_inverse(inverse) -> str:
+    """`inverse(A, block)`: `(I + A)^-1` for strictly lower-triangular A `[C, C]`, from `block x block` pieces."""
+    gen = torch.Generator().manual_seed(64)
+    for C, block in ((16, 16), (64, 16), (48, 16), (64, 8), (40, 16)):
+        k, beta = _keys(C, 16, gen)
+        A = (beta[:, None] * (k @ k.T)).tril(-1)
+        got = _tensor(inverse, (C, C), A.clone(), block)
+        eye = torch.eye(C, dtype=A.dtype)
+        expected = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+        error = (got - expected).abs().max().item()
+        expect(
+            error < 1e-9,
+            f"for C = {C} and blocks of {block}, your inverse is off by up to {error:.3g}. Hint: inverting only "
+            "the diagonal blocks is not enough; block row a also needs the block rows above it, "
+            "X_a = (I + A_aa)^-1 (E_a - A_a,<a X_<a).",
+        )
+    return passed(
+        "Only the diagonal blocks are inverted; the rest is matrix products, block row by block row."
+    )

@@ -1,0 +1,49 @@
+"""Chapter 6's exercise checkers accept the worked solutions and reject wrong answers."""
+
+import pytest
+import torch
+
+from kda_edu.exercises import WrongAnswer, ch06
+
+CASES = [
+    # (checker, worked solution, a wrong answer)
+    (ch06.check_wy, ch06.solution_wy, lambda k, beta: beta[:, None] * k),
+    (
+        ch06.check_unit_lower_inverse,
+        ch06.solution_unit_lower_inverse,
+        lambda A: torch.eye(A.shape[0], dtype=A.dtype) - A,
+    ),
+    (
+        ch06.check_compose_diagonal,
+        ch06.solution_compose_diagonal,
+        lambda later, earlier: (later[0] * earlier[0], later[1] + earlier[1]),
+    ),
+    (
+        ch06.check_block_inverse,
+        ch06.solution_block_inverse,
+        lambda A, block: torch.block_diag(
+            *(
+                ch06.solution_unit_lower_inverse(A[i : i + block, i : i + block])
+                for i in range(0, A.shape[0], block)
+            )
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
+def test_solution_passes(check, solution, wrong):
+    assert check(solution).startswith("Correct!")
+
+
+@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
+def test_wrong_answer_is_rejected(check, solution, wrong):
+    with pytest.raises(WrongAnswer):
+        check(wrong)
+
+
+def test_bad_return_values_are_named():
+    with pytest.raises(WrongAnswer, match="shape"):
+        ch06.check_wy(lambda k, beta: k.T)
+    with pytest.raises(WrongAnswer, match="raised"):
+        ch06.check_unit_lower_inverse(lambda A: A @ torch.ones(3))

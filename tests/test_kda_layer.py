@@ -219,10 +219,31 @@ def test_matches_fla_kimi_delta_attention_fused_recurrent(gate):
     "calls .to(tl.int64) on a Python-int loop index (InterpreterError: 'int' object has no attribute 'to')",
 )
 def test_matches_fla_kimi_delta_attention_chunk():
-    """With gradients on, fla's layer always runs its chunked kernel."""
+    """With gradients on, fla's layer always runs its chunked kernel.
+
+    That kernel takes float32 matrix products in TF32: on an H200 (T = 200) its output differs from fla's own
+    fused_recurrent mode by 1.2e-3, ours from fla's fused_recurrent by 6e-6. So the tolerance here is TF32's.
+    """
     ours = make_layer(seed=3, head_dim=16, v_head_dim=16, chunk_size=64).to(DEVICE)
     theirs = _fla_copy(ours, mode="chunk")
     torch.manual_seed(4)
-    x = torch.randn(1, 40, D, device=DEVICE)
+    x = torch.randn(1, 200, D, device=DEVICE)
     expected, _, _ = theirs(x)
-    torch.testing.assert_close(ours(x), expected, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(ours(x), expected, rtol=0, atol=5e-3)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton kernels of kda_edu.triton run on CUDA only"
+)
+def test_triton_kernels_on_cuda_match_the_pytorch_path():
+    """Without gradients a CUDA layer runs chunk_kda (prefill) and fused_recurrent_kda (decoding steps)."""
+    layer = make_layer(seed=5, head_dim=16, v_head_dim=16, num_v_heads=4, chunk_size=64).cuda()
+    x = torch.randn(2, 70, D, device="cuda")
+    reference = layer(x)  # gradients on: the PyTorch kda_chunked, on the GPU
+    with torch.no_grad():
+        full = layer(x)  # chunk_kda
+        cache = layer.new_cache()
+        prefix = layer(x[:, :65], cache=cache)  # chunk_kda with a final state
+        steps = [layer(x[:, t : t + 1], cache=cache) for t in range(65, 70)]  # fused_recurrent_kda
+    torch.testing.assert_close(full, reference.detach(), rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), reference.detach(), rtol=1e-4, atol=2e-5)

@@ -35,31 +35,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(
-    fn, *args, repeats: int = 3, budget_s: float = 0.2, max_repeats: int = 50, threads: int | None = None
-) -> float:
+def time_call(fn, *args, repeats: int = 3, budget_s: float = 0.2, max_repeats: int = 50) -> float:
     """Seconds taken by `fn(*args)`: one warm-up run, then the fastest of the timed runs.
 
     Runs at least `repeats` times and, for fast calls, keeps going until `budget_s` seconds have been spent (at
     most `max_repeats` runs). The minimum, not the mean: on a shared machine other work only ever adds time, so
-    the fastest run is the best estimate of the call's own cost. `threads` sets torch's CPU thread count for
-    the measurement (restored afterwards); one thread is the least disturbed by other programs.
+    the fastest run is the best estimate of the call's own cost.
     """
     device = args[0].device
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads or saved)
-    try:
+    fn(*args)
+    best, spent, runs = math.inf, 0.0, 0
+    while runs < repeats or (spent < budget_s and runs < max_repeats):
+        _sync(device)
+        start = time.perf_counter()
         fn(*args)
-        best, spent, runs = math.inf, 0.0, 0
-        while runs < repeats or (spent < budget_s and runs < max_repeats):
-            _sync(device)
-            start = time.perf_counter()
-            fn(*args)
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
-    finally:
-        torch.set_num_threads(saved)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
     return best
 
 

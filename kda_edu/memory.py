@@ -166,4 +166,5 @@ def draw_interference(ax, n: int, d_k: int, seed: int = 0):
     """
     overlaps = key_overlaps(n, d_k, "random", seed)
     overlaps.fill_diagonal_(0.0)
+    ax.grid(False)
     return ax.imshow(overlaps.numpy(), cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")

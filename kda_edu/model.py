@@ -218,6 +218,10 @@ class HybridLM(nn.Module):
         self._check_ids(input_ids)
         if cache is not None:
             self._check_cache(cache)
+        return self._logits(input_ids, cache)
+
+    def _logits(self, input_ids: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
+        """`forward` without the input checks (which cost a device-to-host sync per call on a GPU)."""
         x = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             x = block(x, cache=None if cache is None else cache.layers[i])
@@ -258,12 +262,12 @@ class HybridLM(nn.Module):
             return input_ids
         tokens = [input_ids]
         cache = self.new_cache()
-        logits = self(input_ids, cache=cache)[:, -1]
+        logits = self._logits(input_ids, cache)[:, -1]
         for i in range(max_new_tokens):
             next_id = _pick(logits, temperature, top_k, generator)  # [B, 1]
             tokens.append(next_id)
             if i + 1 < max_new_tokens:
-                logits = self(next_id, cache=cache)[:, -1]
+                logits = self._logits(next_id, cache)[:, -1]
         return torch.cat(tokens, dim=1)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:

@@ -69,22 +69,6 @@ def _load_rows(ptr, t, row_stride, cols, n_cols, T):
 
 
 @triton.jit
-def _unit_lower_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 for a strictly lower-triangular 16 x 16 block L: (I - L)(I + L^2)(I + L^4)(I + L^8)."""
-    r = tl.arange(0, BC)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    P = -L
-    X = eye + P
-    P = tl.dot(P, P, input_precision="ieee")
-    X = X + tl.dot(X, P, input_precision="ieee")
-    P = tl.dot(P, P, input_precision="ieee")
-    X = X + tl.dot(X, P, input_precision="ieee")
-    P = tl.dot(P, P, input_precision="ieee")
-    X = X + tl.dot(X, P, input_precision="ieee")
-    return X
-
-
-@triton.jit
 def _chunk_prepare_kernel(
     q,
     k,
@@ -96,7 +80,8 @@ def _chunk_prepare_kernel(
     qg,
     kd,
     aqk,
-    gl,  # outputs, [B*HV, NT*BT, BK] / [.., BV] / [.., BK] / [.., BK] / [.., BT] / [B*HV, NT, BK]
+    gl,
+    lmat,  # outputs [B*HV, NT*BT, BK|BV|BK|BK|BT] and [B*HV, NT, BK]; lmat: float32 scratch [B*HV, NT*BT, BT]
     T,
     H,
     HV,
@@ -121,7 +106,6 @@ def _chunk_prepare_kernel(
     rows = tl.arange(0, BT)
     rc = tl.arange(0, BC)
     ck = tl.arange(0, BK)
-    cv = tl.arange(0, BV)
 
     # Base pointers of this (batch, head): row t of q/k is at q_bh + t * H * K, and so on.
     q_bh = q + (i_b * T * H + i_h).to(tl.int64) * K
@@ -130,44 +114,49 @@ def _chunk_prepare_kernel(
     g_bh = g + (i_b * T * HV + i_hv).to(tl.int64) * K
     b_bh = beta + (i_b * T * HV + i_hv).to(tl.int64)
 
-    # The whole chunk: keys and gates (base 2), gate cumsum gc (non-increasing in time, per key channel).
     t_all = t0 + rows
-    k_all = _load_rows(k_bh, t_all, H * K, ck, K, T).to(tl.float32)
-    g_all = _load_rows(g_bh, t_all, HV * K, ck, K, T).to(tl.float32) * LOG2E
-    gc = tl.cumsum(g_all, axis=0)
-    gc_end = tl.sum(g_all, axis=0)  # gc at the chunk's last step (padded steps have g = 0)
     beta_all = tl.load(b_bh + t_all.to(tl.int64) * HV, mask=t_all < T, other=0.0).to(tl.float32)
 
     # X = (I + A)^-1, built block row by block row; rows not yet built are zero.
-    X = tl.zeros([BT, BT], dtype=tl.float32)
+    # Phase 1: the 16 x 16 blocks of L = Diag(beta) A and of Aqk, written to the float32 scratch `lmat` and
+    # to `aqk` (the blocks above the diagonal are never written: readers mask them). Every exponent is a
+    # gate sum inside one or a few sub-chunks, so it is small and its rounding too.
+    out_t = (i_bh * (tl.num_programs(0) * BT) + t_all).to(tl.int64)
     for a in tl.static_range(NB):
         ta = t0 + a * BC + rc
         k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
         q_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
         g_a = _load_rows(g_bh, ta, HV * K, ck, K, T).to(tl.float32) * LOG2E
         beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
-        start = tl.sum(tl.where((rows < a * BC)[:, None], g_all, 0.0), axis=0)  # b_a: gc before the block
-        gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
+        loc_a = tl.cumsum(g_a, axis=0)  # gc_i minus gc at the block's start boundary: <= 0
+        row_off = (i_bh * (tl.num_programs(0) * BT) + t0 + a * BC + rc).to(tl.int64)[:, None] * BT
 
-        # Columns before the block, anchored at the block's start: both exponents <= 0.
-        if a > 0:
-            row_f = tl.exp2(gc_a - start[None, :])
-            col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
-            k_col = k_all * col_f
-            a_off = tl.dot(k_a * row_f, tl.trans(k_col), input_precision=PREC)  # [BC, BT]
-            aqk_off = tl.dot(q_a * row_f, tl.trans(k_col), input_precision=PREC)
-        else:
-            a_off = tl.zeros([BC, BT], dtype=tl.float32)
-            aqk_off = tl.zeros([BC, BT], dtype=tl.float32)
+        # Blocks left of the diagonal, c = a-1 down to 0, anchored at the end boundary e_c of block c:
+        # row factor exp(gc_i - e_c) = exp(loc_i + gap) <= 1 with gap the gate sum of the blocks between,
+        # column factor exp(e_c - gc_j) = exp(sum of block c's gates after j) <= 1.
+        gap = tl.zeros([BK], dtype=tl.float32)
+        for cc in tl.static_range(a):
+            c = a - 1 - cc
+            tc = t0 + c * BC + rc
+            k_c = _load_rows(k_bh, tc, H * K, ck, K, T).to(tl.float32)
+            g_c = _load_rows(g_bh, tc, HV * K, ck, K, T).to(tl.float32) * LOG2E
+            tot_c = tl.sum(g_c, axis=0)
+            col = k_c * tl.exp2(tot_c[None, :] - tl.cumsum(g_c, axis=0))
+            row_f = tl.exp2(loc_a + gap[None, :])
+            a_ac = tl.dot(k_a * row_f, tl.trans(col), input_precision=PREC)
+            aqk_ac = tl.dot(q_a * row_f, tl.trans(col), input_precision=PREC)
+            tl.store(lmat + row_off + c * BC + rc[None, :], beta_a[:, None] * a_ac)
+            tl.store(aqk + row_off + c * BC + rc[None, :], aqk_ac.to(aqk.dtype.element_ty))
+            gap += tot_c
 
-        # Diagonal block, anchored at its middle row unless a half-block gate sum is too large.
-        mid = tl.sum(tl.where((rc == BC // 2)[:, None], gc_a, 0.0), axis=0)
-        first = start + tl.sum(tl.where((rc == 0)[:, None], g_a, 0.0), axis=0)
-        last = start + tl.sum(g_a, axis=0)
+        # The diagonal block, anchored at its middle row m unless a half-block gate sum is too large.
+        mid = tl.sum(tl.where((rc == BC // 2)[:, None], loc_a, 0.0), axis=0)
+        first = tl.sum(tl.where((rc == 0)[:, None], loc_a, 0.0), axis=0)
+        last = tl.sum(g_a, axis=0)
         span = tl.maximum(tl.max(first - mid, axis=0), tl.max(mid - last, axis=0))
         if span <= _DIAG_LIMIT:
-            diag_row = tl.exp2(gc_a - mid[None, :])
-            diag_col = k_a * tl.exp2(mid[None, :] - gc_a)
+            diag_row = tl.exp2(loc_a - mid[None, :])
+            diag_col = k_a * tl.exp2(mid[None, :] - loc_a)
             a_dd = tl.dot(k_a * diag_row, tl.trans(diag_col), input_precision=PREC)
             aqk_dd = tl.dot(q_a * diag_row, tl.trans(diag_col), input_precision=PREC)
         else:
@@ -176,47 +165,58 @@ def _chunk_prepare_kernel(
             for j in range(BC):
                 pick = (rc == j)[:, None]
                 k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
-                gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-                decay = (
-                    tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
-                )  # rows i < j masked below
+                loc_j = tl.sum(tl.where(pick, loc_a, 0.0), axis=0)
+                decay = tl.exp2(tl.minimum(loc_a - loc_j[None, :], 0.0)) * k_j[None, :]  # i < j: masked below
                 a_dd = tl.where(rc[None, :] == j, tl.sum(k_a * decay, axis=1)[:, None], a_dd)
                 aqk_dd = tl.where(rc[None, :] == j, tl.sum(q_a * decay, axis=1)[:, None], aqk_dd)
-        a_dd = tl.where(rc[:, None] > rc[None, :], a_dd, 0.0)
+        a_dd = tl.where(rc[:, None] > rc[None, :], beta_a[:, None] * a_dd, 0.0)
         aqk_dd = tl.where(rc[:, None] >= rc[None, :], aqk_dd, 0.0)
+        tl.store(lmat + row_off + a * BC + rc[None, :], a_dd)
+        tl.store(aqk + row_off + a * BC + rc[None, :], aqk_dd.to(aqk.dtype.element_ty))
 
-        # Aqk block row a: the part left of the diagonal block (zero right of it), then the diagonal block.
-        aqk_row = aqk + (i_bh * (tl.num_programs(0) * BT) + t0 + a * BC + rc).to(tl.int64)[:, None] * BT
-        outside = (rows < a * BC) | (rows >= (a + 1) * BC)
-        tl.store(aqk_row + rows[None, :], aqk_off.to(aqk.dtype.element_ty), mask=outside[None, :])
-        tl.store(aqk_row + a * BC + rc[None, :], aqk_dd.to(aqk.dtype.element_ty))
+    # Phase 2: X = (I + L)^-1 with whole-chunk products. Split L into its diagonal blocks Ld and the part
+    # below them Lo: I + L = (I + Ld)(I + N) with N = (I + Ld)^-1 Lo. Each 16 x 16 block of Ld is nilpotent
+    # of order 16, so (I + Ld)^-1 = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8); N is zero on and above the
+    # diagonal blocks, so N^4 = 0 and (I + N)^-1 = I - N + N^2 - N^3. Ten 64 x 64 products, no loop.
+    tl.debug_barrier()  # phase 1's rows of lmat were written by other threads of this program
+    lm = tl.load(lmat + out_t[:, None] * BT + rows[None, :])
+    lm = tl.where(rows[:, None] > rows[None, :], lm, 0.0)  # strictly lower; the rest was never written
+    same_block = (rows // BC)[:, None] == (rows // BC)[None, :]
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    P = -tl.where(same_block, lm, 0.0)
+    D = eye + P
+    for _ in tl.static_range(3):
+        P = tl.dot(P, P, input_precision=PREC)
+        D = D + tl.dot(D, P, input_precision=PREC)
+    N = tl.dot(D, tl.where(same_block, 0.0, lm), input_precision=PREC)
+    N2 = tl.dot(N, N, input_precision=PREC)
+    X = tl.dot(eye - N + N2 - tl.dot(N, N2, input_precision=PREC), D, input_precision=PREC)
 
-        # Block row a of X: X_a = (I + L_aa)^-1 (E_a - L_a,<a X), with L = Diag(beta) A.
-        inv_dd = _unit_lower_inverse(beta_a[:, None] * a_dd, BC)
-        e_a = tl.where(rows[None, :] == (a * BC + rc)[:, None], 1.0, 0.0)
-        rhs = e_a - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
-        x_a = tl.dot(inv_dd, rhs, input_precision=PREC)
-        # Write block row a into X: repeat it NB times into a [BT, BT] tile, keep rows of block a.
-        x_rep = tl.reshape(tl.broadcast_to(x_a[None, :, :], [NB, BC, BT]), [BT, BT])
-        X = tl.where((rows // BC == a)[:, None], x_rep, X)
-
-    # w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V.
-    xb = X * beta_all[None, :]
-    w_c = tl.dot(xb, k_all * tl.exp2(gc), input_precision=PREC)
-    v_all = _load_rows(v_bh, t_all, HV * V, cv, V, T).to(tl.float32)
-    u_c = tl.dot(xb, v_all, input_precision=PREC)
-    q_all = _load_rows(q_bh, t_all, H * K, ck, K, T).to(tl.float32) * scale
-
+    # Phase 3, 64 key (then value) columns at a time to keep the tiles small: gc (gate cumsum over the
+    # whole chunk, non-increasing), w = X Diag(beta) (K * exp(gc)), qg, kd and exp(gc_C); u = X Diag(beta) V.
     # Intermediates are padded to whole chunks and BK / BV columns: no masks needed.
-    out_t = (i_bh * (tl.num_programs(0) * BT) + t_all).to(tl.int64)
-    tl.store(w + out_t[:, None] * BK + ck[None, :], w_c.to(w.dtype.element_ty))
-    tl.store(u + out_t[:, None] * BV + cv[None, :], u_c.to(u.dtype.element_ty))
-    tl.store(qg + out_t[:, None] * BK + ck[None, :], (q_all * tl.exp2(gc)).to(qg.dtype.element_ty))
-    tl.store(
-        kd + out_t[:, None] * BK + ck[None, :],
-        (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
-    )
-    tl.store(gl + (i_bh * tl.num_programs(0) + i_n).to(tl.int64) * BK + ck, tl.exp2(gc_end))
+    xb = X * beta_all[None, :]
+    KC: tl.constexpr = 64 if BK > 64 else BK
+    VC: tl.constexpr = 64 if BV > 64 else BV
+    for kc in tl.static_range(BK // KC):
+        cols = kc * KC + tl.arange(0, KC)
+        k_c = _load_rows(k_bh, t_all, H * K, cols, K, T).to(tl.float32)
+        g_c = _load_rows(g_bh, t_all, HV * K, cols, K, T).to(tl.float32) * LOG2E
+        gc = tl.cumsum(g_c, axis=0)
+        gc_end = tl.sum(g_c, axis=0)  # gc at the chunk's last step (padded steps have g = 0)
+        w_c = tl.dot(xb, k_c * tl.exp2(gc), input_precision=PREC)
+        tl.store(w + out_t[:, None] * BK + cols[None, :], w_c.to(w.dtype.element_ty))
+        tl.store(
+            kd + out_t[:, None] * BK + cols[None, :],
+            (k_c * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
+        )
+        q_c = _load_rows(q_bh, t_all, H * K, cols, K, T).to(tl.float32) * scale
+        tl.store(qg + out_t[:, None] * BK + cols[None, :], (q_c * tl.exp2(gc)).to(qg.dtype.element_ty))
+        tl.store(gl + (i_bh * tl.num_programs(0) + i_n).to(tl.int64) * BK + cols, tl.exp2(gc_end))
+    for vc in tl.static_range(BV // VC):
+        cols = vc * VC + tl.arange(0, VC)
+        u_c = tl.dot(xb, _load_rows(v_bh, t_all, HV * V, cols, V, T).to(tl.float32), input_precision=PREC)
+        tl.store(u + out_t[:, None] * BV + cols[None, :], u_c.to(u.dtype.element_ty))
 
 
 @triton.jit
@@ -265,6 +265,7 @@ def _chunk_scan_kernel(
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
+        a_n = tl.where(rows[:, None] >= rows[None, :], a_n, 0.0)  # blocks above the diagonal: never written
         decay = tl.load(gl + (i_bh.to(tl.int64) * NT + n) * BK + ck)
 
         s_lo = S.to(w_n.dtype)
@@ -322,10 +323,17 @@ def chunk_kda(
     return _chunk_kda_fwd(q, k, v, g, beta, resolve_scale(scale, K), h0, output_final_state)
 
 
-def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, warps_prepare=None, stages=2):
-    """Launch the two kernels on validated inputs. `bv`, `warps_prepare` and `stages` are tuning knobs
-    (value columns per scan program, warps of the prepare kernel, pipeline depth of the scan loop) that
-    bench/tune_chunk.py sweeps; None picks the defaults."""
+def _chunk_kda_fwd(
+    q, k, v, g, beta, scale, h0, output_final_state,
+    bv=None, warps_prepare=None, warps_scan=4, stages=2, prepare_only=False, info=None,
+):  # fmt: skip
+    """Launch the two kernels on validated inputs.
+
+    The keywords are tuning knobs that bench/tune_chunk.py sweeps: `bv` value columns per scan program,
+    `warps_prepare` / `warps_scan` warps per program, `stages` pipeline depth of the scan loop; `prepare_only` stops
+    after the first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory
+    of both kernels.
+    """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     interp = interpreting()
@@ -344,9 +352,10 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, war
     u = torch.empty(rows, BVP, device=dev, dtype=idt)
     aqk = torch.empty(rows, BT, device=dev, dtype=idt)
     gl = torch.empty(B * HV * NT, BK, device=dev, dtype=torch.float32)
+    lmat = torch.empty(rows, BT, device=dev, dtype=torch.float32)  # Diag(beta) A, read back by its writer
     if warps_prepare is None:
         warps_prepare = 4 if BK <= 64 else 8
-    _chunk_prepare_kernel[(NT, B * HV)](
+    kernel = _chunk_prepare_kernel[(NT, B * HV)](
         q,
         k,
         v,
@@ -358,6 +367,7 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, war
         kd,
         aqk,
         gl,
+        lmat,
         T,
         H,
         HV,
@@ -371,6 +381,10 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, war
         PREC=prec,
         num_warps=warps_prepare,
     )
+    if info is not None:
+        info["prepare"] = _resources(kernel)
+    if prepare_only:
+        return None, None
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -380,7 +394,9 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, war
         bv = min(BVP, 32)
         if not interp and B * HV * triton.cdiv(V, bv) < 128:
             bv = 16
-    _chunk_scan_kernel[(triton.cdiv(V, bv), B * HV)](
+    if BK * w.element_size() > 512:
+        stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
+    kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), B * HV)](
         w,
         u,
         qg,
@@ -402,7 +418,17 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, bv=None, war
         USE_H0=h0 is not None,
         STORE_HT=output_final_state,
         PREC=prec,
-        num_warps=4,
+        num_warps=warps_scan,
         num_stages=stages,
     )
+    if info is not None:
+        info["scan"] = _resources(kernel)
     return o, ht
+
+
+def _resources(kernel):
+    """Registers, spilled registers and shared memory of a launched kernel (empty under the interpreter)."""
+    meta = getattr(kernel, "metadata", None)
+    if meta is None:
+        return {}
+    return dict(regs=kernel.n_regs, spills=kernel.n_spills, shared=meta.shared)

@@ -17,11 +17,16 @@ query/key head `j // (HV // H)`); g `[B, T, HV, K]` in log space, <= 0; beta `[B
 `[B, HV, K, V]` in float32 (float64 for float64 inputs); outputs in the input dtype.
 """
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from kda_edu._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
 from kda_edu._chunks import from_chunks, to_chunks
 from kda_edu.recurrence import general_recurrence
+
+SUB_BLOCK = 16  # rows per sub-block inside a chunk, see _decayed_scores
 
 
 def kda_recurrent(
@@ -136,8 +141,8 @@ def kda_chunked(
         A_ij = beta_i sum_c k_ic k_jc exp(gc_ic - gc_jc) for j < i, else 0
 
     so `U = u - w S_0` with `u = (I + A)^-1 Diag(beta) V` and `w = (I + A)^-1 Diag(beta) (K * exp(gc))`, both
-    independent of S_0 and computed for all chunks at once by a triangular solve. Only the cheap state
-    passing runs chunk after chunk:
+    independent of S_0 (one triangular solve each; a kernel computes them for all chunks in parallel). Only
+    the state passing depends on the previous chunk:
 
         U       = u - w S_0
         O       = (scale Q * exp(gc)) S_0 + Aqk U
@@ -145,14 +150,14 @@ def kda_chunked(
 
     with `Aqk_ij = scale sum_c q_ic k_jc exp(gc_ic - gc_jc)` for j <= i, else 0.
 
-    Overflow: every exponent evaluated is <= 0, so every `exp` lies in [0, 1] whatever the gates. The
-    within-chunk decays `exp(gc_i - gc_j)` are computed from a pairwise difference tensor `[C, C, K]` per
-    chunk, never factorised as `exp(gc_i) * exp(-gc_j)` (with gates at -5 and C = 64 the second factor is
-    exp(320), far beyond float32's largest, about exp(88.7)); the entries with j > i, whose differences are
-    positive, are set to -inf before `exp`, so they become exact zeros with zero gradient instead of
-    `inf * 0 = NaN`. The
-    inter-chunk factors `exp(gc_i)` and `exp(gc_C - gc_i)` are <= 1 because gc is non-increasing. Decays that
-    underflow to 0 are correct: the true value is below the dtype's smallest number.
+    Overflow: every exponent evaluated is <= 0, so every `exp` lies in [0, 1] whatever the gates, down to a
+    -1000 reset. gc is non-increasing, so the inter-chunk factors `exp(gc_i)` and `exp(gc_C - gc_i)` are
+    <= 1. The within-chunk decays `exp(gc_i - gc_j)`, j <= i, are never factorised as `exp(gc_i) *
+    exp(-gc_j)` (with gates at -5 and C = 64 the second factor is exp(320), far beyond float32's largest,
+    about exp(88.7)); `_decayed_scores` either takes the difference first or splits it at an anchor that
+    lies between i and j, so both factors are <= 1. Entries with j > i are set to -inf before `exp`, so
+    they become exact zeros with zero gradient instead of `inf * 0 = NaN`. Decays that underflow to 0 are
+    correct: the true value is below the dtype's smallest number.
 
     Args:
         q: queries `[B, T, H, K]`, floating dtype; any T >= 1.
@@ -167,8 +172,7 @@ def kda_chunked(
 
     Returns:
         `(o, final_state)` exactly as `kda_recurrent` (up to rounding): o `[B, T, HV, V]` in q's dtype;
-        final_state `[B, HV, K, V]` in float32 (float64 for float64 inputs) or None. Memory is
-        O(B HV T C K) for the pairwise decays, which is fine for a reference.
+        final_state `[B, HV, K, V]` in float32 (float64 for float64 inputs) or None.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     scale = resolve_scale(scale, K)
@@ -178,30 +182,69 @@ def kda_chunked(
     q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
     k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
     v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C, K], [.., C]
-    gc = g.cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]
-
-    # Pairwise decays exp(gc_i - gc_j) for j <= i, exact zeros above the diagonal: [B, HV, NC, C, C, K].
     i = torch.arange(C, device=q.device)
-    causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i
-    diff = gc[..., :, None, :] - gc[..., None, :, :]
-    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-
-    A = (beta[..., None] * torch.einsum("...ic,...ijc,...jc->...ij", k, decay, k)).masked_fill(~strict, 0)
-    Aqk = torch.einsum("...ic,...ijc,...jc->...ij", q, decay, k)
-
-    # UT transform: solve (I + A) X = Diag(beta) [V, K * exp(gc)] for u and w.
-    L = torch.eye(C, dtype=dtype, device=q.device) + A
-    u = torch.linalg.solve_triangular(L, beta[..., None] * v_c, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(L, beta[..., None] * k * gc.exp(), upper=False, unitriangular=True)
-
-    q_decayed = q * gc.exp()  # reads S_0 through exp(gc_i) <= 1
-    k_decayed = k * (gc[..., -1:, :] - gc).exp()  # carries step i to the chunk end, exp(gc_C - gc_i) <= 1
-    chunk_decay = gc[..., -1, :, None].exp()  # [B, HV, NC, K, 1]
+    eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
     o = []
     for n in range(q.shape[2]):  # the NC chunks, in order
-        U = u[:, :, n] - w[:, :, n] @ S  # values written in chunk n: [B, HV, C, V]
-        o.append(q_decayed[:, :, n] @ S + Aqk[:, :, n] @ U)
-        S = chunk_decay[:, :, n] * S + k_decayed[:, :, n].transpose(-1, -2) @ U
+        q_n, k_n, v_n, beta_n = q[:, :, n], k[:, :, n], v_c[:, :, n], beta[:, :, n, :, None]  # [B, HV, C, .]
+        gc = g[:, :, n].cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]
+
+        # Independent of S (a kernel does this for all chunks in parallel): the decayed scores, the UT
+        # transform (I + A)^-1 Diag(beta) as a triangular solve, and from it u and w.
+        Akk, Aqk = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc)  # x = k for A, x = q for Aqk
+        L = eye + beta_n * Akk.masked_fill(not_below, 0)  # I + A, A strictly lower triangular
+        u = torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(L, beta_n * k_n * gc.exp(), upper=False, unitriangular=True)
+
+        # Sequential: the values written given the incoming state, the outputs, the outgoing state.
+        U = u - w @ S  # [B, HV, C, V]
+        o.append((q_n * gc.exp()) @ S + Aqk @ U)
+        S = gc[..., -1, :, None].exp() * S + (k_n * (gc[..., -1:, :] - gc).exp()).transpose(-1, -2) @ U
     return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+
+
+def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
+    """`P_ij = sum_c x_ic k_jc exp(gc_ic - gc_jc)` for j <= i, and 0 for j > i, in every chunk.
+
+    Args:
+        x: `[..., C, K]`, broadcast against k (a stack of several x shares the work on k).
+        k, gc: `[..., C, K]`; gc non-increasing along C.
+
+    Returns:
+        `[..., C, C]`.
+
+    Taking every difference `gc_i - gc_j` would cost a `[C, C, K]` tensor per chunk. Instead the C rows are
+    split into sub-blocks of b = gcd(C, 16). For row i in sub-block I and a column j in an earlier sub-block,
+    the anchor `a_I` (gc just before sub-block I; 0 for the first) lies between them, `gc_i <= a_I <= gc_j`,
+    so `exp(gc_i - gc_j) = exp(gc_i - a_I) * exp(a_I - gc_j)` is a product of two factors <= 1 and those
+    columns become one matrix product per sub-block. Only the columns inside sub-block I use the pairwise
+    differences, `[b, b, K]` per sub-block. Every exponent is <= 0; the columns a factorisation must not
+    reach (j > i, or j not before sub-block I) are set to -inf before `exp`.
+    """
+    C = k.shape[-2]
+    b = math.gcd(C, SUB_BLOCK)
+    nb = C // b
+    pos = torch.arange(C, device=k.device)
+    anchor = F.pad(gc[..., b - 1 :: b, :], (0, 0, 1, 0))[..., :nb, :]  # [..., nb, K]: gc before sub-block I
+
+    # Columns before the row's sub-block: exp(gc_i - a_I) on the rows, exp(a_I - gc_j) on the columns.
+    x_rows = x.unflatten(-2, (nb, b)) * (gc.unflatten(-2, (nb, b)) - anchor[..., None, :]).exp()
+    earlier = pos < pos[::b, None]  # [nb, C]: column j lies before sub-block I
+    to_anchor = (anchor[..., :, None, :] - gc[..., None, :, :]).masked_fill(
+        ~earlier[..., None], float("-inf")
+    )
+    k_cols = k[..., None, :, :] * to_anchor.exp()  # [..., nb, C, K]
+    scores = x_rows @ k_cols.transpose(-1, -2)  # [..., nb, b, C], zero from column I * b on
+
+    # Columns inside the row's sub-block: pairwise differences.
+    xb, kb, gb = (t.unflatten(-2, (nb, b)) for t in (x, k, gc))
+    causal = pos[:b, None] >= pos[:b]  # [b, b]: j <= i
+    decay = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    within = torch.einsum("...ic,...ijc,...jc->...ij", xb, decay, kb)  # [..., nb, b, b]
+    diagonal = torch.eye(
+        nb, dtype=within.dtype, device=k.device
+    )  # place sub-block I's scores at column block I
+    scores = scores.unflatten(-1, (nb, b)) + torch.einsum("...Iij,IJ->...IiJj", within, diagonal)
+    return scores.flatten(-2).flatten(-3, -2)

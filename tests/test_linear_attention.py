@@ -3,7 +3,7 @@
 import pytest
 import torch
 from hypothesis import given, settings
-from reference_inputs import EDGE_CASES, TOL, make_inputs, rel_err, shapes
+from reference_inputs import EDGE_CASES, TOL, float64, make_inputs, rel_err, shapes
 
 from kda_edu.kda import kda_recurrent
 from kda_edu.linear_attention import (
@@ -18,13 +18,23 @@ def assert_forms_agree(case: dict, dtype: torch.dtype) -> None:
     x = make_inputs(*(case[n] for n in "B T H HV K V".split()), dtype=dtype, seed=case["seed"])
     q, k, v = x["q"], x["k"], x["v"]
     h0 = x["initial_state"] if case["with_state"] else None
-    o_r, s_r = linear_attention_recurrent(q, k, v, initial_state=h0, output_final_state=True)
-    o_c, s_c = linear_attention_chunked(
-        q, k, v, initial_state=h0, output_final_state=True, chunk_size=case["chunk_size"]
+    x64 = float64(x)
+    o_ref, s_ref = linear_attention_recurrent(
+        x64["q"],
+        x64["k"],
+        x64["v"],
+        initial_state=None if h0 is None else h0.double(),
+        output_final_state=True,
     )
-    assert o_c.dtype == dtype and rel_err(o_c, o_r) <= TOL[dtype] and rel_err(s_c, s_r) <= TOL[dtype]
+    for o, s in (
+        linear_attention_recurrent(q, k, v, initial_state=h0, output_final_state=True),
+        linear_attention_chunked(
+            q, k, v, initial_state=h0, output_final_state=True, chunk_size=case["chunk_size"]
+        ),
+    ):
+        assert o.dtype == dtype and rel_err(o, o_ref) <= TOL[dtype] and rel_err(s, s_ref) <= TOL[dtype]
     o_p = linear_attention_parallel(q, k, v)
-    assert rel_err(o_p, linear_attention_recurrent(q, k, v)[0]) <= TOL[dtype]
+    assert rel_err(o_p, linear_attention_recurrent(x64["q"], x64["k"], x64["v"])[0]) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -232,9 +232,8 @@ def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch
     # Columns before the row's sub-block: exp(gc_i - a_I) on the rows, exp(a_I - gc_j) on the columns.
     x_rows = x.unflatten(-2, (nb, b)) * (gc.unflatten(-2, (nb, b)) - anchor[..., None, :]).exp()
     earlier = pos < pos[::b, None]  # [nb, C]: column j lies before sub-block I
-    to_anchor = (anchor[..., :, None, :] - gc[..., None, :, :]).masked_fill(
-        ~earlier[..., None], float("-inf")
-    )
+    to_anchor = anchor[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K]
+    to_anchor = to_anchor.masked_fill(~earlier[..., None], float("-inf"))
     k_cols = k[..., None, :, :] * to_anchor.exp()  # [..., nb, C, K]
     scores = x_rows @ k_cols.transpose(-1, -2)  # [..., nb, b, C], zero from column I * b on
 
@@ -243,8 +242,7 @@ def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch
     causal = pos[:b, None] >= pos[:b]  # [b, b]: j <= i
     decay = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
     within = torch.einsum("...ic,...ijc,...jc->...ij", xb, decay, kb)  # [..., nb, b, b]
-    diagonal = torch.eye(
-        nb, dtype=within.dtype, device=k.device
-    )  # place sub-block I's scores at column block I
+    # Place sub-block I's own scores at column block I.
+    diagonal = torch.eye(nb, dtype=within.dtype, device=k.device)
     scores = scores.unflatten(-1, (nb, b)) + torch.einsum("...Iij,IJ->...IiJj", within, diagonal)
     return scores.flatten(-2).flatten(-3, -2)

@@ -5,6 +5,7 @@
 - `peak_memory(fn, *args)`: the peak bytes of the tensors `fn(*args)` allocates while it runs. On a GPU this is
   the CUDA allocator's own peak; on the CPU, `LiveTensorBytes` counts every tensor an operation creates and
   forgets it when it is freed.
+- `fused_attention(q, k, v)`: the same attention through PyTorch's fused kernel, which never stores the scores.
 - `fit_exponent(x, y)`: the slope p of `log y = p log x + c`, so that `y ~ x^p`.
 - `decode(q, k, v)`: token-by-token decoding with `softmax_attention_step`, returning the outputs and the
   cache's bytes after every token.
@@ -18,6 +19,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -33,6 +35,18 @@ def random_qkv(B: int, T: int, H: int, K: int, *, device="cpu", dtype=torch.floa
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention through PyTorch's fused kernel, `scaled_dot_product_attention`, in the book's layout.
+
+    q, k, v `[B, T, H, K]` (one value head per head); returns `[B, T, H, K]`. On a GPU, and on a CPU since PyTorch 2.2,
+    it picks a FlashAttention-style kernel that walks over blocks of keys and never stores the `[T, T]` scores.
+    """
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    )
+    return o.transpose(1, 2)
 
 
 def time_call(fn, *args, repeats: int = 3, budget_s: float = 0.2, max_repeats: int = 50) -> float:

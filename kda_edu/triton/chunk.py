@@ -22,10 +22,11 @@ exp(gc_i - gc_j) <= 1, but a matrix product needs it split into a row factor tim
 the chunk start, exp(gc_i) * exp(-gc_j), the column factor reaches exp(64 * 5) = exp(320) for 64 steps of
 gates at -5: float32 overflows past exp(88.7). So the rows of a chunk are taken 16 at a time (block a, rows
 16a .. 16a + 15) and every split is anchored where both factors stay bounded:
-  * columns before the block (j < 16a): anchor at the block's start boundary b_a = gc_{16a - 1}. Row factor
-    exp(gc_i - b_a) <= 1 (i comes after the boundary), column factor exp(b_a - gc_j) <= 1 (j before it).
-    Both exponents are <= 0 whatever the gates; a factor that underflows to 0 only drops a product that is
-    smaller still.
+  * block (a, c) left of the diagonal (j in block c < a): anchor at the end boundary e_c of block c. Row
+    factor exp(gc_i - e_c) <= 1 (i comes after the boundary), column factor exp(e_c - gc_j) <= 1 (j before
+    it). Both exponents are <= 0 whatever the gates, and both are gate sums over a few sub-chunks computed
+    from per-block cumsums, so their rounding stays small; a factor that underflows to 0 only drops a
+    product that is smaller still.
   * columns inside the block (the 16 x 16 diagonal block): anchor at the block's middle row m = 16a + 8.
     Each factor's exponent is bounded by the gate sum over at most 8 steps: |exponent| <= 8 * 5 / ln 2 = 58
     (in powers of two) for gates down to -5, far inside float32's range (2^-126 .. 2^127). For gates so large
@@ -34,11 +35,14 @@ gates at -5: float32 overflows past exp(88.7). So the rows of a chunk are taken 
     Realistic gates never take that branch; it is there so that no input produces inf or NaN.
 All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 
-The triangular inverse. A is strictly lower triangular. Its 16 x 16 diagonal blocks L_aa are nilpotent
-(L^16 = 0), so (I + L_aa)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): three squarings and three products, no
-loop. The 64 x 64 inverse X is then built block row by block row (forward substitution over blocks):
-    X_a = (I + L_aa)^-1 (E_a - L_a,<a X)
-where E_a is block row a of the identity and L_a,<a the part of block row a left of the diagonal block.
+The triangular inverse. L = Diag(beta) A is strictly lower triangular; its blocks go through a float32
+scratch buffer so that the whole 64 x 64 matrix can be read back as one tile. Split it into the diagonal
+blocks Ld and the rest Lo: I + L = (I + Ld)(I + N) with N = (I + Ld)^-1 Lo. Each 16 x 16 block of Ld is
+nilpotent (Ld^16 = 0), so (I + Ld)^-1 = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8); N is zero on and above the
+diagonal blocks, so N^4 = 0 and (I + N)^-1 = I - N + N^2 - N^3. Ten 64 x 64 products, no loop.
+
+Speed: correct, but about 3x slower than fla's chunk_kda on an H200 (bench/NOTES.md): the prepare kernel
+needs all 255 registers and spills. Splitting it into a kernel per block row and one per chunk is next.
 
 Precision: gates, decays, A, X and the state are float32. With 16-bit inputs the matrix products inside the
 chunk use tf32 (float32 range, which the anchored factors need), the products against the state use the

@@ -111,10 +111,9 @@ def test_rejects_unsupported_dtype():
         chunk_kda_autograd(*[x.double() for x in inputs[:5]])
 
 
-GPU_CASES = {
+GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine
     "awkward_T_K_ne_V_grouped": ((2, 1000, 2, 4, 128, 64), True),
-    "K_V_128_tail": ((1, 777, 2, 2, 128, 128), True),
-    "zero_state": ((1, 300, 1, 1, 64, 128), False),
+    "K_V_128_tail_zero_state": ((1, 777, 2, 2, 128, 128), False),
 }
 
 

@@ -119,27 +119,32 @@ def _diag_gram(a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _diag_gram_bwd(dM, a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
-    """Backward of `_diag_gram` for a masked dM: da_i = sum_j dM_ij b_j e_ij, db_j = sum_i dM_ij a_i e_ij."""
+def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """Backward of the diagonal blocks of both Gram matrices (A: rows beta k; Aqk: rows scale q; columns k),
+    for masked dA and dQ: returns d(beta k), d(scale q) and the column-side dk of the two together."""
     mid, span = _diag_span(gc_a, BC)
     if span <= _DIAG_LIMIT:
         row_f = tl.exp2(gc_a - mid[None, :])
-        col_f = tl.exp2(mid[None, :] - gc_a)
-        da = tl.dot(dM, b_a * col_f, input_precision=PREC) * row_f
-        db = tl.dot(tl.trans(dM), a_a * row_f, input_precision=PREC) * col_f
-    else:
+        k_col = k_a * tl.exp2(mid[None, :] - gc_a)
+        da_kk = tl.dot(dA, k_col, input_precision=PREC) * row_f
+        da_qk = tl.dot(dQ, k_col, input_precision=PREC) * row_f
+        db = tl.dot(tl.trans(dA), bk_a * row_f, input_precision=PREC)
+        db = (db + tl.dot(tl.trans(dQ), qs_a * row_f, input_precision=PREC)) * tl.exp2(mid[None, :] - gc_a)
+    else:  # exact pairwise form, one column j at a time: e_ij = exp(gc_i - gc_j), exponent clipped at 0
         rc = tl.arange(0, BC)
-        da = tl.zeros(a_a.shape, dtype=tl.float32)
-        db = tl.zeros(b_a.shape, dtype=tl.float32)
+        da_kk = tl.zeros(k_a.shape, dtype=tl.float32)
+        da_qk = tl.zeros(k_a.shape, dtype=tl.float32)
+        db = tl.zeros(k_a.shape, dtype=tl.float32)
         for j in range(BC):
             pick = (rc == j)[:, None]
-            b_j = tl.sum(tl.where(pick, b_a, 0.0), axis=0)
-            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-            dm_j = tl.sum(tl.where(rc[None, :] == j, dM, 0.0), axis=1)  # column j of dM
-            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * dm_j[:, None]
-            da += e * b_j[None, :]
-            db = tl.where(pick, tl.sum(e * a_a, axis=0)[None, :], db)
-    return da, db
+            kj = tl.sum(tl.where(pick, k_a, 0.0), axis=0)[None, :]
+            e = tl.exp2(tl.minimum(gc_a - tl.sum(tl.where(pick, gc_a, 0.0), axis=0)[None, :], 0.0))
+            ea = e * tl.sum(tl.where(rc[None, :] == j, dA, 0.0), axis=1)[:, None]  # column j of dA
+            eq = e * tl.sum(tl.where(rc[None, :] == j, dQ, 0.0), axis=1)[:, None]
+            da_kk += ea * kj
+            da_qk += eq * kj
+            db = tl.where(pick, tl.sum(ea * bk_a + eq * qs_a, axis=0)[None, :], db)
+    return da_kk, da_qk, db
 
 
 @triton.jit
@@ -183,7 +188,7 @@ def _prepare_kernel(
 
     X = tl.zeros([BT, BT], dtype=tl.float32)
     start = tl.zeros([BK], dtype=tl.float32)
-    for a in tl.static_range(NB):
+    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
         ta = t0 + a * BC + rc
         k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
         qs_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
@@ -191,16 +196,13 @@ def _prepare_kernel(
         beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
         gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         diag = rows[None, :] == (a * BC + rc)[:, None]  # [BC, BT]: column of row i's own step
-        if a > 0:  # columns before the block, anchored at its start boundary: both exponents <= 0
-            row_f = tl.exp2(gc_a - start[None, :])
-            col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
-            k_col = tl.trans(k_all * col_f)
-            a_off = tl.dot(k_a * row_f, k_col, input_precision=PREC)  # [BC, BT], zero from column a*BC on
-            aqk_off = tl.dot(qs_a * row_f, k_col, input_precision=PREC)
-            rhs = tl.where(diag, 1.0, 0.0) - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
-        else:
-            aqk_off = tl.zeros([BC, BT], dtype=tl.float32)
-            rhs = tl.where(diag, 1.0, 0.0)
+        # Columns before the block, anchored at its start boundary: both exponents <= 0 (all zero for a = 0).
+        row_f = tl.exp2(gc_a - start[None, :])
+        col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
+        k_col = tl.trans(k_all * col_f)
+        a_off = tl.dot(k_a * row_f, k_col, input_precision=PREC)  # [BC, BT], zero from column a*BC on
+        aqk_off = tl.dot(qs_a * row_f, k_col, input_precision=PREC)
+        rhs = tl.where(diag, 1.0, 0.0) - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
         a_dd = tl.where(rc[:, None] > rc[None, :], _diag_gram(k_a, k_a, gc_a, BC, PREC), 0.0)
         aqk_dd = tl.where(rc[:, None] >= rc[None, :], _diag_gram(qs_a, k_a, gc_a, BC, PREC), 0.0)
         row_off = (i_bh * (tl.num_programs(0) * BT) + t0 + a * BC + rc).to(tl.int64)[:, None] * BT
@@ -430,7 +432,7 @@ def _local_k_kernel(
     acc_db = tl.zeros([BT], dtype=tl.float32)
     db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
     start = tl.zeros([BK], dtype=tl.float32)
-    for a in tl.static_range(NB):
+    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
         ta = t0 + a * BC + rc
         k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
         qs_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
@@ -439,28 +441,23 @@ def _local_k_kernel(
         gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         bk_a = beta_a[:, None] * k_a
         m_rows = (m_bh + t0 + a * BC + rc)[:, None] * BT
-        if a > 0:  # columns before the block, anchored at its start boundary
-            dA_a = tl.load(dA + m_rows + rows[None, :])
-            dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
-            row_f = tl.exp2(gc_a - start[None, :])
-            col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
-            k_col = k_all * col_f
-            da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
-            da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
-            db_all += col_f * (
-                tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
-                + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
-            )
-        else:
-            da_kk = tl.zeros([BC, BK], dtype=tl.float32)
-            da_qk = tl.zeros([BC, BK], dtype=tl.float32)
+        # Columns before the block, anchored at its start boundary (all zero for a = 0).
+        dA_a = tl.load(dA + m_rows + rows[None, :])
+        dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
+        row_f = tl.exp2(gc_a - start[None, :])
+        col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
+        k_col = k_all * col_f
+        da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
+        da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
+        db_all += col_f * (
+            tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
+            + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
+        )
         dA_d = tl.load(dA + m_rows + a * BC + rc[None, :])
         dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
-        da_d, db_kk = _diag_gram_bwd(dA_d, bk_a, k_a, gc_a, BC, PREC)
+        da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, gc_a, BC, PREC)
         da_kk += da_d
-        da_d, db_qk = _diag_gram_bwd(dQ_d, qs_a, k_a, gc_a, BC, PREC)
-        da_qk += da_d
-        db_a = db_kk + db_qk
+        da_qk += dq_d
         acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
         acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
         acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)

@@ -1,4 +1,4 @@
-"""KDA forward + backward on a GPU: kda_edu's Triton backward (chunk_bwd.chunk_kda_autograd) beside fla's.
+"""KDA forward + backward on a GPU: kda_edu's Triton backward (chunk_kda) beside fla's.
 
 Inputs as in bench/bench_kda.py: bf16 l2-normalised q, k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), float32
 log-space gate g = -5 sigmoid(N(0, 1) - 2); K = V = 128. One step = forward, then backward of sum(o * do) with
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kda_edu.triton import chunk_kda
-from kda_edu.triton.chunk_bwd import chunk_kda_autograd
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 D = 128
@@ -54,7 +53,7 @@ def _fla(x):
 
 
 METHODS = {
-    "kda_edu chunk_kda_autograd": lambda x: chunk_kda_autograd(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
+    "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
     "fla chunk_kda": _fla,
 }
 
@@ -78,7 +77,7 @@ def kernel_times(x, do):
     """CUDA time per kernel of one forward + backward (torch profiler), in microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn = METHODS["kda_edu chunk_kda_autograd"]
+    fn = METHODS["kda_edu chunk_kda"]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step(fn, x, do)
         torch.cuda.synchronize()
@@ -147,7 +146,7 @@ def main():
         json.dump(res, f, indent=1)
     print(f"{'B,T,H':>14} {'ours ms':>9} {'fla ms':>9} {'ratio':>6}")
     for r in res["rows"]:
-        a, b = r.get("kda_edu chunk_kda_autograd fwd+bwd ms"), r.get("fla chunk_kda fwd+bwd ms")
+        a, b = r.get("kda_edu chunk_kda fwd+bwd ms"), r.get("fla chunk_kda fwd+bwd ms")
         ratio = f"{a / b:6.2f}" if a and b else "   n/a"
         print(
             f"{r['B']:>3},{r['T']:>6},{r['H']:>3} {a or float('nan'):9.3f} {b or float('nan'):9.3f} {ratio}"

@@ -1,4 +1,4 @@
-"""Gradients of kda_edu.triton.chunk_bwd.chunk_kda_autograd against float64 autograd through the KDA loop.
+"""Gradients of kda_edu.triton.chunk_kda against float64 autograd through the KDA loop.
 
 The target: autograd through `kda_recurrent` in float64. The first test checks that target against autograd
 through `kda_chunked` (the algorithm the kernels implement), so the derivation in chunk_bwd.py's docstring is
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_edu.kda import kda_chunked, kda_recurrent
-from kda_edu.triton.chunk_bwd import chunk_kda_autograd
+from kda_edu.triton import chunk_kda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -87,7 +87,7 @@ def test_gradients_match_fp64_loop(case):
     inputs, do, dht = make_inputs(*shape, gate=gate)
     kw = dict(with_state=with_state, use_ht=use_ht)
     ref = oracle(inputs, do, dht, **kw)
-    got = grads(chunk_kda_autograd, inputs, do, dht, **kw)
+    got = grads(chunk_kda, inputs, do, dht, **kw)
     tol = 1e-5 if DEVICE == "cpu" else 2e-3
     for name, x, r in zip(NAMES, got, ref, strict=False):
         assert x.shape == r.shape and x.dtype == inputs[NAMES.index(name)].dtype, name
@@ -101,14 +101,14 @@ def test_forward_unchanged():
 
     inputs, _, _ = make_inputs(1, 70, 1, 2, 16, 16)
     a = chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-    b = chunk_kda_autograd(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    b = chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_rejects_unsupported_dtype():
     inputs, _, _ = make_inputs(1, 4, 1, 1, 16, 16)
     with pytest.raises(TypeError, match="bfloat16"):
-        chunk_kda_autograd(*[x.double() for x in inputs[:5]])
+        chunk_kda(*[x.double() for x in inputs[:5]])
 
 
 GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine
@@ -125,7 +125,7 @@ def test_gpu_gradients(case, dtype):
     inputs, do, dht = make_inputs(*shape, gate=-5.0, seed=3)
     inputs[:3] = [x.to(dtype).float() for x in inputs[:3]]  # the oracle sees the rounded q, k, v
     ref = oracle(inputs, do, dht, with_state=with_state)
-    got = grads(chunk_kda_autograd, inputs, do, dht, dtype=dtype, with_state=with_state)
+    got = grads(chunk_kda, inputs, do, dht, dtype=dtype, with_state=with_state)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     for name, x, r in zip(NAMES, got, ref, strict=False):
         err = rel_rms(x, r)

@@ -171,7 +171,9 @@ def check_site(site: Path, shots: Path) -> dict:
                 problems += [f"math not typeset: {t!r}" for t in seen["untypeset"]]
                 problems += [f"broken image {i['src']}" for i in seen["images"] if not i["ok"]]
                 problems += [
-                    f"loads from another host: {r}" for r in seen["resources"] if not r.startswith(base)
+                    f"loads from another host: {r}"
+                    for r in seen["resources"]
+                    if not r.startswith((base, "data:"))
                 ]
                 if seen["widgetState"] and seen["widgets"] == 0:
                     problems.append("page has widget state but no widget rendered")

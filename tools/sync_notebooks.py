@@ -3,7 +3,7 @@
 For each chapter the more recently modified file of the pair is the source. Its first cell is
 replaced by the generated Colab set-up cell (tools/notebook_setup.py), and both files are
 written from it: the notebook without outputs, the markdown in MyST format. Run `make sync`
-after editing either file; a test fails when a pair is out of sync.
+(or `python tools/sync_notebooks.py 03_delta_rule` for one chapter) after editing either file; a test fails when a pair is out of sync.
 """
 
 import sys
@@ -43,11 +43,14 @@ def sync(stem: Path) -> None:
 
 
 def main() -> None:
+    """Sync every chapter, or only those named on the command line (e.g. `03_delta_rule`)."""
+    wanted = set(sys.argv[1:])
     stems = sorted(
         {p.with_suffix("") for p in (ROOT / "book").glob("[0-9][0-9]_*.*") if p.suffix in (".md", ".ipynb")}
     )
     for stem in stems:
-        sync(stem)
+        if not wanted or stem.name in wanted:
+            sync(stem)
 
 
 if __name__ == "__main__":

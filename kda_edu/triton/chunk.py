@@ -301,7 +301,11 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA forward with two Triton kernels; same contract as `kda_edu.kda.kda_chunked`.
+    """KDA with Triton kernels; same contract as `kda_edu.kda.kda_chunked`.
+
+    The forward runs two kernels (below). When any input requires a gradient, the call goes through
+    `kda_edu.triton.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
+    beta and initial_state.
 
     Args:
         q: queries `[B, T, H, K]`, bfloat16, float16 or float32; K <= 256.
@@ -324,7 +328,12 @@ def chunk_kda(
             f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
         )
     h0 = initial_state.contiguous() if initial_state is not None else None
-    return _chunk_kda_fwd(q, k, v, g, beta, resolve_scale(scale, K), h0, output_final_state)
+    scale = resolve_scale(scale, K)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
+        from kda_edu.triton.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
+
+        return ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state)
+    return _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state)
 
 
 def _chunk_kda_fwd(

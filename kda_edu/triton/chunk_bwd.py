@@ -55,7 +55,6 @@ import triton
 import triton.language as tl
 
 from kda_edu._backend import interpreting
-from kda_edu._checks import check_kda_inputs, resolve_scale
 from kda_edu.triton.chunk import _chunk_kda_fwd
 
 CHUNK = 64  # steps per chunk in the backward (its own choice; the forward's may differ)
@@ -566,27 +565,3 @@ class ChunkKDAFunction(torch.autograd.Function):
         dht = dht.contiguous() if dht is not None else None
         dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht)
         return dq, dk, dv, dg, dbeta, None, dh0, None
-
-
-def chunk_kda_autograd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`kda_edu.triton.chunk_kda` (same arguments, same result) with gradients for q, k, v, g, beta and
-    initial_state computed by the Triton backward above."""
-    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, check_values=False)
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"q, k, v must be bfloat16, float16 or float32 for chunk_kda, got {q.dtype}")
-    if K > 256 or V > 256:
-        raise ValueError(
-            f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
-        )
-    return ChunkKDAFunction.apply(
-        q, k, v, g, beta, resolve_scale(scale, K), initial_state, output_final_state
-    )

@@ -241,7 +241,8 @@ def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch
     xb, kb, gb = (t.unflatten(-2, (nb, b)) for t in (x, k, gc))
     causal = pos[:b, None] >= pos[:b]  # [b, b]: j <= i
     decay = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-    within = torch.einsum("...ic,...ijc,...jc->...ij", xb, decay, kb)  # [..., nb, b, b]
+    k_decayed = kb[..., None, :, :] * decay  # [..., nb, b, b, K]: key j decayed to row i
+    within = (k_decayed @ xb[..., :, :, None]).squeeze(-1)  # [..., nb, b, b]: sum over c of x_ic * that
     # Place sub-block I's own scores at column block I.
     diagonal = torch.eye(nb, dtype=within.dtype, device=k.device)
     scores = scores.unflatten(-1, (nb, b)) + torch.einsum("...Iij,IJ->...IiJj", within, diagonal)

@@ -19,7 +19,7 @@ import torch
 
 from kda_edu.delta_rule import delta_rule_chunked, delta_rule_recurrent
 from kda_edu.gates import l2_normalize
-from kda_edu.linear_attention import linear_attention_recurrent
+from kda_edu.linear_attention import linear_attention_chunked
 
 
 def read(S: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -151,10 +151,8 @@ def overwrite_errors(
     latest = v[:, rewrite].repeat_interleave(block, dim=1)  # the value k* should return at each step
     k, v, q, latest = (x.to(device) for x in (k, v, q, latest))
 
-    o_linear, _ = linear_attention_recurrent(q, k, v, scale=1.0)
-    o_delta, _ = delta_rule_recurrent(
-        q, k, v, torch.full((batch, T, 1), float(beta), device=device), scale=1.0
-    )
+    o_linear, _ = linear_attention_chunked(q, k, v, scale=1.0)
+    o_delta, _ = delta_rule_chunked(q, k, v, torch.full((batch, T, 1), float(beta), device=device), scale=1.0)
 
     end_of_block = torch.arange(T, device=device) % block == block - 1
 

@@ -19,7 +19,8 @@ def not_answered(question: str) -> str:
     return text
 
 
-def _number(fn, *args) -> float:
+def as_number(fn, *args) -> float:
+    """`float(fn(*args))`, or WrongAnswer saying the function must return a number."""
     try:
         return float(fn(*args))
     except (TypeError, ValueError) as error:
@@ -57,7 +58,7 @@ def check_repeated_writes(fraction) -> str:
                 ks, ks, vs, torch.full((1, n, 1), beta, dtype=torch.float64), scale=1.0
             )
             measured = float((o[0, -1, 0] @ v[0, 0, 0]) / v.pow(2).sum())
-            got = _number(fraction, beta, n)
+            got = as_number(fraction, beta, n)
             expect(
                 abs(got - measured) < 1e-9,
                 f"for beta = {beta} and n = {n} your function gives {got:.6f}, but the memory returns "
@@ -82,7 +83,7 @@ def check_max_stable_beta(max_beta) -> str:
     gen = torch.Generator().manual_seed(4)
     for norm in (0.5, 1.0, 2.0, 4.0, 8.0):
         k = _unit(torch.randn(16, generator=gen, dtype=torch.float64)) * norm
-        beta = _number(max_beta, norm)
+        beta = as_number(max_beta, norm)
         expect(beta > 0, f"for |k| = {norm} your function gives beta = {beta}; a write strength must be > 0")
 
         def radius(b, k=k):

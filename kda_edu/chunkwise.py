@@ -72,12 +72,14 @@ def time_call(fn, *args, repeats: int = 3, threads: int | None = 1, **kwargs) ->
     """Seconds `fn(*args, **kwargs)` takes: one warm-up call, then the fastest of `repeats` timed calls.
 
     The minimum, because on a shared machine other work only ever adds time. On the CPU the call runs on
-    `threads` threads (None: leave PyTorch's setting alone); one thread gives steady numbers on a machine
-    whose cores other programs also use. On a GPU the device is synchronised around each call.
+    `threads` threads (None: leave PyTorch's setting alone) and the clock is this process's CPU time, which
+    other programs on the machine do not inflate; with one thread and no waiting it equals the wall time
+    on an idle machine. On a GPU the clock is the wall time, with the device synchronised around each call.
     """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     cuda = any(a.is_cuda for a in tensors)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if cuda else time.process_time
     before = torch.get_num_threads()
     if threads is not None and not cuda:
         torch.set_num_threads(threads)
@@ -86,10 +88,10 @@ def time_call(fn, *args, repeats: int = 3, threads: int | None = 1, **kwargs) ->
         best = math.inf
         for _ in range(repeats):
             sync()
-            start = time.perf_counter()
+            start = clock()
             fn(*args, **kwargs)
             sync()
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock() - start)
     finally:
         torch.set_num_threads(before)
     return best

@@ -157,16 +157,16 @@ def check_kda_inputs(
         _require_device(state_name, initial_state, "[B, HV, K, V]", device)
 
     if check_values:
-        if g is not None and g.max() > 0:
+        # Written as "all values inside the range" so that NaN, which fails every comparison, is caught too.
+        if g is not None and not bool((g <= 0).all()):
             raise ValueError(
-                f"g of shape {expected[0]} must be <= 0 (a log-space decay), got max {g.max():.4g}"
+                f"g of shape {expected[0]} must be <= 0 (a log-space decay) and not NaN, got max {g.max():.4g}"
             )
-        if beta is not None:
+        if beta is not None and not bool(((beta >= 0) & (beta <= 1)).all()):
             lo, hi = torch.aminmax(beta)
-            if lo < 0 or hi > 1:
-                raise ValueError(
-                    f"beta of shape [B, T, HV] must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]"
-                )
+            raise ValueError(
+                f"beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in [{lo:.4g}, {hi:.4g}]"
+            )
 
     return B, T, H, HV, K, V
 

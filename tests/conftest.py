@@ -11,3 +11,9 @@ from kda_edu import _backend
 _backend.configure()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# The unit tests use small tensors, for which PyTorch's intra-op thread pool costs more than it
+# saves; on a busy 2-core machine two threads made some tiny ops 100x slower. One thread is also
+# what makes CPU results independent of the machine's core count.
+if DEVICE == "cpu":
+    torch.set_num_threads(1)

@@ -25,13 +25,23 @@ def book_version() -> str:
 
 
 def setup_cell_source() -> str:
-    """Source of the set-up cell: installs kda_edu at the book's version when run in Colab."""
+    """Source of the set-up cell.
+
+    In Colab it clones the repository at the book's version (tag ``v<version>``), installs its
+    dependencies, and imports ``kda_edu`` from the clone, so the committed benchmark results under
+    ``bench/results`` are there too. Anywhere else it does nothing.
+    """
+    url, tag = repository_url(), f"v{book_version()}"
     return (
-        "# Set-up: in Colab, install kda_edu at this book's version; elsewhere this does nothing.\n"
+        "# Set-up: in Colab, fetch the book's repository at this version and use its kda_edu;\n"
+        "# elsewhere this cell does nothing.\n"
         "import sys\n"
         "\n"
         'if "google.colab" in sys.modules:\n'
-        f'    %pip install --quiet "kda-edu @ git+{repository_url()}@v{book_version()}"'
+        f"    !git clone --quiet --depth 1 --branch {tag} {url} /content/kda-edu\n"
+        "    %pip install --quiet /content/kda-edu\n"
+        '    sys.path.insert(0, "/content/kda-edu")\n'
+        "    %cd /content/kda-edu/book"
     )
 
 

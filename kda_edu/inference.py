@@ -11,7 +11,8 @@
   over a batch, at several context lengths.
 - `mla_append_seconds(layer, history, appended, mode)`: the time of one MLA append in MHA or MQA mode.
 - `max_batch(config, context_len, budget_bytes)`: how many sequences' caches fit in a memory budget.
-- `load_results(path)`: a committed benchmark JSON, or None when it does not exist.
+- `load_results(path)`: a committed benchmark JSON, or None when it does not exist;
+  `largest_batch_rows(result, pattern)` picks, per context length, the row with the largest batch.
 """
 
 import json
@@ -25,6 +26,9 @@ from kda_edu.costs import cache_bytes
 from kda_edu.kda_layer import KDACache
 from kda_edu.mla import MLACache
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
+
+# Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).
+GPU_RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "h200_decode_throughput.json"
 
 
 def forward_in_pieces(module, x: torch.Tensor, sizes: list[int], **kwargs) -> torch.Tensor:
@@ -179,7 +183,9 @@ def decode_throughput(
     return rows
 
 
-def mla_append_seconds(layer, history: int, appended: int, mode: str, batch: int = 1, repeats: int = 3) -> float:
+def mla_append_seconds(
+    layer, history: int, appended: int, mode: str, batch: int = 1, repeats: int = 3
+) -> float:
     """Seconds for one MLA layer to append `appended` tokens to a cache of `history` latents, in `mode`.
 
     The cache is reset to the same `history` random latents before every run; the fastest run counts.
@@ -189,7 +195,9 @@ def mla_append_seconds(layer, history: int, appended: int, mode: str, batch: int
     base = torch.randn(
         batch, history, layer.config.kv_rank, generator=generator, device=param.device, dtype=param.dtype
     )
-    x = torch.randn(batch, appended, layer.d_model, generator=generator, device=param.device, dtype=param.dtype)
+    x = torch.randn(
+        batch, appended, layer.d_model, generator=generator, device=param.device, dtype=param.dtype
+    )
     cache = layer.new_cache()
     best = math.inf
     with torch.no_grad():
@@ -216,3 +224,13 @@ def load_results(path: str | Path) -> dict | None:
     if not path.exists():
         return None
     return json.loads(path.read_text())
+
+
+def largest_batch_rows(result: dict, pattern: str) -> list[dict]:
+    """From a `bench_decode_throughput` result, the row with the largest batch at each context length of
+    `pattern`, ordered by context length."""
+    best: dict[int, dict] = {}
+    for row in result["rows"]:
+        if row["pattern"] == pattern and row["batch"] >= best.get(row["context_len"], {"batch": 0})["batch"]:
+            best[row["context_len"]] = row
+    return [best[S] for S in sorted(best)]

@@ -57,3 +57,17 @@ def test_max_batch_and_missing_results(tmp_path):
     per_seq = sum(cache_bytes(CONFIG, 100, dtype_bytes=2).values())
     assert max_batch(CONFIG, 100, 10 * per_seq + 1) == 10
     assert load_results(tmp_path / "missing.json") is None
+
+
+def test_decode_benchmark_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "smoke.json"
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_decode_throughput.py"
+    subprocess.run([sys.executable, str(script), "--smoke", "--steps", "1", "--out", str(out)], check=True)
+    result = json.loads(out.read_text())
+    assert result["smoke"] and {r["pattern"] for r in result["rows"]} == {"A", "KKKA", "K"}
+    assert all(r["tokens_per_s"] > 0 and r["batch"] <= 8 for r in result["rows"])

@@ -38,8 +38,14 @@ def oracle(q, k, v, g, beta, h0=None, scale=None):
     """The float64 loop on the same inputs."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     return kda_recurrent(
-        q, k, v, g, beta, scale=scale,
-        initial_state=None if h0 is None else h0.double(), output_final_state=True,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=None if h0 is None else h0.double(),
+        output_final_state=True,
     )
 
 

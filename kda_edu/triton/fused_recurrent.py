@@ -40,13 +40,26 @@ __all__ = ["fused_recurrent_kda"]
 
 @triton.jit
 def _fused_recurrent_kda_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-    h0_ptr, ht_ptr, cu_seqlens_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    o_ptr,
+    h0_ptr,
+    ht_ptr,
+    cu_seqlens_ptr,
     scale,
     T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -132,9 +145,7 @@ def _validate_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, device: torch
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, but the inputs are on {device}")
     if B != 1:
-        raise ValueError(
-            f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B = {B}"
-        )
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B = {B}")
     # One small device-to-host copy; it is what makes a bad cu_seqlens an error, not a bad read.
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T:
@@ -170,12 +181,23 @@ def _fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, cu
     BK = triton.next_power_of_2(K)
     grid = (triton.cdiv(V, block_v), N * HV)
     _fused_recurrent_kda_kernel[grid](
-        q, k, v, g, beta, o,
-        initial_state, final_state, cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        initial_state,
+        final_state,
+        cu_seqlens,
         scale,
         T,
-        H=H, HV=HV, K=K, V=V,
-        BK=BK, BV=block_v,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=block_v,
         HAS_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final_state is not None,
         IS_VARLEN=cu_seqlens is not None,

@@ -10,8 +10,6 @@
 - `decode_bytes` and the two plotting helpers for the decode and forward + backward benchmarks.
 """
 
-import json
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -219,16 +217,6 @@ def decode_bytes(B: int, H: int, HV: int, K: int, V: int, in_bytes: int = 2, sta
     state = B * HV * K * V * state_bytes
     token = (2 * B * H * K + 2 * B * HV * V + B * HV) * in_bytes + B * HV * K * 4
     return dict(state=state, state_read_write=2 * state, token=token, total=2 * state + token)
-
-
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
-
-
-def bench_result(name: str) -> dict | None:
-    """A benchmark result from the repository's `bench/results/`, or None when the file is not there (a
-    benchmark not run yet, or kda_edu installed without the repository, as in Colab)."""
-    path = RESULTS / name
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 DECODE_BARS = {

@@ -4,20 +4,33 @@ The book never pastes code: it imports ``kda_edu`` and shows the source of what 
 """
 
 import inspect
+import json
 from pathlib import Path
 
 import kda_edu
 
 _ROOT = Path(kda_edu.__file__).resolve().parent.parent
+RESULTS = _ROOT / "bench" / "results"
+
+
+def bench_result(name: str) -> dict | None:
+    """A committed benchmark result, ``bench/results/<name>`` of the repository, or None when it is not there.
+
+    None means the benchmark has not been run yet, or ``kda_edu`` was installed without the repository
+    (the Colab set-up cell clones it, so there the results are present).
+    """
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def show_source(obj):
-    """Display the source of a function or class from ``kda_edu`` with its file and line.
+    """Display the source of a function, class or Triton kernel from ``kda_edu`` with its file and line.
 
     Returns an IPython ``Markdown`` object, which a notebook renders as a highlighted code block.
     """
     from IPython.display import Markdown
 
+    obj = getattr(obj, "fn", obj)  # a @triton.jit kernel wraps the Python function it was written as
     lines, start = inspect.getsourcelines(obj)
     path = Path(inspect.getsourcefile(obj)).resolve()
     try:

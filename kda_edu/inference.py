@@ -11,14 +11,11 @@
   over a batch, at several context lengths.
 - `mla_append_seconds(layer, history, appended, mode)`: the time of one MLA append in MHA or MQA mode.
 - `max_batch(config, context_len, budget_bytes)`: how many sequences' caches fit in a memory budget.
-- `load_results(path)`: a committed benchmark JSON, or None when it does not exist;
-  `largest_batch_rows(result, pattern)` picks, per context length, the row with the largest batch.
+- `largest_batch_rows(result, pattern)` picks, per context length, the row with the largest batch.
 """
 
-import json
 import math
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,7 +25,7 @@ from kda_edu.mla import MLACache
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
 
 # Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).
-GPU_RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "h200_decode_throughput.json"
+GPU_RESULTS = "h200_decode_throughput.json"  # under bench/results, read with kda_edu.book.bench_result
 
 
 def forward_in_pieces(module, x: torch.Tensor, sizes: list[int], **kwargs) -> torch.Tensor:
@@ -216,14 +213,6 @@ def max_batch(config: HybridConfig, context_len: int, budget_bytes: float, dtype
     """How many sequences of `context_len` tokens fit their caches in `budget_bytes` (weights not counted)."""
     per_sequence = sum(cache_bytes(config, context_len, batch_size=1, dtype_bytes=dtype_bytes).values())
     return int(budget_bytes // per_sequence)
-
-
-def load_results(path: str | Path) -> dict | None:
-    """The benchmark results stored at `path` (JSON), or None when the file does not exist."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
 
 
 def largest_batch_rows(result: dict, pattern: str) -> list[dict]:

@@ -7,7 +7,6 @@ from kda_edu.costs import cache_bytes
 from kda_edu.inference import (
     decode_throughput,
     forward_in_pieces,
-    load_results,
     max_batch,
     measure_cache_bytes,
     mla_append_seconds,
@@ -56,7 +55,6 @@ def test_decode_throughput_and_append_timing_run():
 def test_max_batch_and_missing_results(tmp_path):
     per_seq = sum(cache_bytes(CONFIG, 100, dtype_bytes=2).values())
     assert max_batch(CONFIG, 100, 10 * per_seq + 1) == 10
-    assert load_results(tmp_path / "missing.json") is None
 
 
 def test_decode_benchmark_smoke(tmp_path):

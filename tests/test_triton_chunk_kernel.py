@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from kda_edu.book import bench_result
 from kda_edu.chunkwise import random_inputs
 from kda_edu.kda import kda_recurrent
 from kda_edu.triton import chunk_kernel as ck
@@ -54,7 +55,7 @@ def test_counts_at_the_benchmark_shape():
 
 
 def test_benchmark_file_and_crossover():
-    bench = ck.load_benchmark()
+    bench = bench_result("h200_forward.json")
     T, ours = ck.times(bench["sweep"], "kda_edu chunk_kda")
     _, sdpa = ck.times(bench["sweep"], "torch sdpa flash causal")
     x = ck.crossover(T, ours, sdpa)

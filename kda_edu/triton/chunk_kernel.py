@@ -7,12 +7,11 @@
 - `product_form_inverse` is the kernel's triangular inverse, written in PyTorch so that its identity can be
   checked against `torch.linalg.inv`.
 - `design_traffic` and `design_flops` count what the two kernels move and compute per token and head.
-- `load_benchmark`, `crossover`, `plot_times` and `plot_rates` read and draw bench/results/h200_forward.json.
+- `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
+  `kda_edu.book.bench_result`).
 """
 
-import json
 import math
-from pathlib import Path
 
 import torch
 import triton
@@ -20,9 +19,6 @@ import triton
 from kda_edu._chunks import to_chunks
 from kda_edu.chunkwise import intra_chunk_matrices, ut_transform
 from kda_edu.triton.chunk import CHUNK, SUB, _chunk_prepare_kernel, _chunk_scan_kernel, _pow2
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200_forward.json"
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The two kernels, one at a time
@@ -190,11 +186,6 @@ def algorithm_flops(d: int, C: int = CHUNK) -> int:
 
 # ---------------------------------------------------------------------------------------------------------
 # The committed benchmark
-
-
-def load_benchmark(path: str | Path = BENCH) -> dict:
-    """bench/results/h200_forward.json as a dict (device, ceilings, `headline` and `sweep` rows)."""
-    return json.loads(Path(path).read_text())
 
 
 def times(rows: list[dict], method: str) -> tuple[list[int], list[float]]:

@@ -7,3 +7,7 @@ it imports neither Triton nor the notebook tooling. The Triton kernels live in
 """
 
 __version__ = "0.1.0"
+
+from kda_edu.kda import kda_chunked, kda_recurrent, kda_step  # noqa: E402
+
+__all__ = ["kda_chunked", "kda_recurrent", "kda_step"]

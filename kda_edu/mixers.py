@@ -1,0 +1,242 @@
+"""Token mixers that differ only in their recurrence, and the small language model chapter 12 trains.
+
+To compare memories fairly, every linear mixer here is the same layer with a different recurrence in the
+middle. They share the projections, the short convolution, the L2-normalised q and k, the output gate and
+norm, and the state size `H x K x V`:
+
+    q, k, v = SiLU(ShortConv([W_q x; W_k x; W_v x]));  q, k = L2Norm(q), L2Norm(k)
+    o       = recurrence(q, k, v, ...)                            the only part that changes
+    y       = W_o (RMSNorm(o) * sigmoid(W_g2 W_g1 x + b_g))
+
+    kind                recurrence                                 extra inputs
+    "linear_attention"  S += k v^T                                 none
+    "deltanet"          S += beta k (v - S^T k)^T                  beta = sigmoid(W_b x)
+    "gated_deltanet"    S = exp(g) S, then the delta rule          beta; g per head (Mamba-2 style gate)
+    "kda"               S = Diag(exp(g)) S, then the delta rule    beta; g per head and key channel
+    "attention"         softmax attention over all earlier tokens  none (no state: a cache that grows)
+
+The recurrences run in their chunked PyTorch forms (`linear_attention_chunked`, `delta_rule_chunked`,
+`gated_delta_chunked`, `kda_chunked`), which are differentiable and far faster on a CPU than the loop.
+"attention" keeps the same layer around `kda_edu.attention.softmax_attention` but skips the L2 normalisation
+(softmax needs the scores' scale), so it is the reference with unbounded memory. No mixer has a positional
+encoding; order comes from the causal structure, the short convolution and the gates.
+
+`RecallLM` is a pre-norm stack of `n_layers` blocks (mixer, then SwiGLU), as `kda_edu.model.HybridLM` but
+with one of these mixers in every block.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from kda_edu.attention import softmax_attention
+from kda_edu.delta_rule import delta_rule_chunked
+from kda_edu.ffn import SwiGLU
+from kda_edu.gated_delta import gated_delta_chunked
+from kda_edu.gates import beta_sigmoid, kda_gate, l2_normalize
+from kda_edu.kda import kda_chunked
+from kda_edu.kda_layer import GatedRMSNorm, ShortConv
+from kda_edu.linear_attention import linear_attention_chunked
+
+KINDS = ("linear_attention", "deltanet", "gated_deltanet", "kda", "attention")
+LABELS = {
+    "linear_attention": "linear attention",
+    "deltanet": "DeltaNet",
+    "gated_deltanet": "Gated DeltaNet",
+    "kda": "KDA",
+    "attention": "softmax attention",
+}
+
+
+@dataclass
+class MixerConfig:
+    """One token mixer (its width `d_model` comes from the model).
+
+    Attributes:
+        kind: one of `KINDS`.
+        num_heads: H.
+        head_dim: K = V, the width of q, k and v per head; the state of a linear mixer is `H x K x K`.
+        conv_size: kernel width of the short convolution on q, k and v.
+        gate_rank: inner width of the low-rank KDA decay projection and of the output gate.
+        chunk_size: chunk length of the chunked recurrences.
+    """
+
+    kind: str = "kda"
+    num_heads: int = 2
+    head_dim: int = 32
+    conv_size: int = 4
+    gate_rank: int = 16
+    chunk_size: int = 32
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"MixerConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("num_heads", "head_dim", "conv_size", "gate_rank", "chunk_size"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
+                raise ValueError(f"MixerConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+
+    @property
+    def state_size(self) -> int | None:
+        """Numbers in the recurrent state per sequence, `H K K`; None for attention (its cache grows)."""
+        return None if self.kind == "attention" else self.num_heads * self.head_dim**2
+
+
+class TokenMixer(nn.Module):
+    """A sequence-mixing layer `[B, T, D] -> [B, T, D]` with the recurrence chosen by `config.kind`.
+
+    Args:
+        d_model: D.
+        config: a `MixerConfig`.
+    """
+
+    def __init__(self, d_model: int, config: MixerConfig):
+        super().__init__()
+        self.d_model, self.config = d_model, config
+        H, K, r = config.num_heads, config.head_dim, config.gate_rank
+        self.q_proj = nn.Linear(d_model, H * K, bias=False)
+        self.k_proj = nn.Linear(d_model, H * K, bias=False)
+        self.v_proj = nn.Linear(d_model, H * K, bias=False)
+        self.conv = ShortConv(3 * H * K, config.conv_size)
+        if config.kind in ("deltanet", "gated_deltanet", "kda"):
+            self.b_proj = nn.Linear(d_model, H, bias=False)
+        if config.kind == "gated_deltanet":  # one decay per head: g = -exp(A_log) softplus(W_f x + dt_bias)
+            self.f_proj = nn.Linear(d_model, H, bias=False)
+            self.A_log, self.dt_bias = nn.Parameter(torch.empty(H)), nn.Parameter(torch.empty(H))
+        if config.kind == "kda":  # one decay per head and key channel, through a low-rank projection
+            self.f_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, H * K, bias=False))
+            self.A_log, self.dt_bias = nn.Parameter(torch.empty(H)), nn.Parameter(torch.empty(H, K))
+        self.g_down = nn.Linear(d_model, r, bias=False)
+        self.g_up = nn.Linear(r, H * K, bias=True)
+        self.o_norm = GatedRMSNorm(K, eps=1e-5)
+        self.o_proj = nn.Linear(H * K, d_model, bias=False)
+        if hasattr(self, "A_log"):
+            self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """As `KDALayer`: step sizes log-uniform in [0.001, 0.1] (through `dt_bias`), rates `exp(A_log)`
+        uniform in [1, 16], so the heads start with a spread of memory lengths."""
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        self.dt_bias.copy_(torch.log(torch.expm1(dt)))
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, D]` -> `[B, T, D]`."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a tensor of shape [B, T, D] with D = {self.d_model}, got {shape}")
+        cfg = self.config
+        B, T, _ = x.shape
+        H, K, C = cfg.num_heads, cfg.head_dim, cfg.chunk_size
+        qkv, _ = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
+        q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
+        if cfg.kind == "attention":
+            o = softmax_attention(q, k, v)
+        else:
+            q, k = l2_normalize(q), l2_normalize(k)
+            if cfg.kind == "linear_attention":
+                o, _ = linear_attention_chunked(q, k, v, chunk_size=C)
+            else:
+                beta = beta_sigmoid(self.b_proj(x))
+                if cfg.kind == "deltanet":
+                    o, _ = delta_rule_chunked(q, k, v, beta, chunk_size=C)
+                elif cfg.kind == "gated_deltanet":
+                    g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias)
+                    o, _ = gated_delta_chunked(q, k, v, g, beta, chunk_size=C)
+                else:
+                    g = kda_gate(self.f_proj(x).view(B, T, H, K), self.A_log, self.dt_bias)
+                    o, _ = kda_chunked(q, k, v, g, beta, chunk_size=C)
+        o = self.o_norm(o, self.g_up(self.g_down(x)).view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, H * K))
+
+
+@dataclass
+class RecallConfig:
+    """The model trained on the memory tasks.
+
+    Attributes:
+        vocab_size: number of token ids.
+        d_model: D.
+        n_layers: number of blocks.
+        mixer: the `MixerConfig` of every block.
+        ffn_hidden: hidden width of every SwiGLU.
+        init_std: standard deviation of the initial projection and embedding weights.
+    """
+
+    vocab_size: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    mixer: MixerConfig = field(default_factory=MixerConfig)
+    ffn_hidden: int = 128
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if isinstance(self.mixer, dict):
+            self.mixer = MixerConfig(**self.mixer)
+        for name in ("vocab_size", "d_model", "n_layers", "ffn_hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RecallConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict:
+        """Plain nested dicts (JSON-ready); `RecallConfig(**d)` reads them back."""
+        return asdict(self)
+
+
+class RecallBlock(nn.Module):
+    """Pre-norm residual block: `x + mixer(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`."""
+
+    def __init__(self, config: RecallConfig):
+        super().__init__()
+        self.mixer_norm = nn.RMSNorm(config.d_model, eps=1e-6)
+        self.mixer = TokenMixer(config.d_model, config.mixer)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=1e-6)
+        self.ffn = SwiGLU(config.d_model, config.ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class RecallLM(nn.Module):
+    """Embedding, `n_layers` `RecallBlock`s, a final RMSNorm and a tied output projection to logits.
+
+    Args:
+        config: a `RecallConfig`.
+    """
+
+    def __init__(self, config: RecallConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(RecallBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=1e-6)
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) projections and embedding (the gates keep their own initialisation); the
+        projections into the residual stream are scaled by `1 / sqrt(2 n_layers)`, as in `HybridLM`."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for proj in (block.mixer.o_proj, block.ffn.down_proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))
+
+    def num_parameters(self) -> int:
+        """Number of trainable numbers."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """token ids `[B, T]` (int64) -> logits `[B, T, vocab_size]`."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be an int64 tensor of shape [B, T], got {input_ids!r:.80}")
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.embed.weight.T

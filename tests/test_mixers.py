@@ -1,0 +1,48 @@
+"""The token mixers of chapter 12: shapes, causality, equal state size, every parameter trained, chunk size."""
+
+import pytest
+import torch
+
+from kda_edu.mixers import KINDS, MixerConfig, RecallConfig, RecallLM, TokenMixer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mixer_is_causal_and_trains_every_parameter(kind):
+    torch.manual_seed(0)
+    layer = TokenMixer(24, MixerConfig(kind=kind, num_heads=2, head_dim=8, chunk_size=4)).double()
+    x = torch.randn(2, 11, 24, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    changed = x.detach().clone()
+    changed[:, 6:] = torch.randn(2, 5, 24, dtype=torch.float64)
+    torch.testing.assert_close(layer(changed)[:, :6], y[:, :6].detach(), rtol=1e-10, atol=1e-10)
+    y.square().sum().backward()
+    unused = [n for n, p in layer.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not unused, f"parameters without a gradient: {unused}"
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "deltanet", "gated_deltanet", "kda"])
+def test_chunk_size_does_not_change_the_output(kind):
+    torch.manual_seed(1)
+    layer = TokenMixer(16, MixerConfig(kind=kind, num_heads=2, head_dim=8, chunk_size=16)).double()
+    x = torch.randn(1, 13, 16, dtype=torch.float64)
+    y16 = layer(x)
+    layer.config.chunk_size = 3
+    torch.testing.assert_close(layer(x), y16, rtol=1e-10, atol=1e-10)
+
+
+def test_linear_mixers_have_equal_state_and_near_equal_parameters():
+    sizes = {kind: MixerConfig(kind=kind, num_heads=2, head_dim=16).state_size for kind in KINDS}
+    assert sizes["attention"] is None
+    assert {sizes[k] for k in KINDS if k != "attention"} == {2 * 16 * 16}
+    counts = [RecallLM(RecallConfig(mixer=MixerConfig(kind=kind))).num_parameters() for kind in KINDS]
+    assert max(counts) / min(counts) < 1.05  # the gates add a few percent at most
+
+
+def test_recall_lm_logits_and_input_check():
+    model = RecallLM(RecallConfig(vocab_size=20, d_model=16, mixer=MixerConfig(num_heads=2, head_dim=8)))
+    assert model(torch.randint(0, 20, (3, 9))).shape == (3, 9, 20)
+    with pytest.raises(ValueError, match="int64 tensor of shape \\[B, T\\]"):
+        model(torch.zeros(3, 9))
+    with pytest.raises(ValueError, match="kind"):
+        MixerConfig(kind="mamba")

@@ -1,0 +1,75 @@
+"""The training loop: the schedule, a tiny run that must learn, determinism, and exact resumption."""
+
+import math
+
+import pytest
+import torch
+
+from kda_edu.mixers import MixerConfig, RecallConfig
+from kda_edu.recall_sweep import PRESETS, run_specs, summarize, task_for
+from kda_edu.tasks import MQAR
+from kda_edu.train import TrainConfig, lr_at, train
+
+TASK = MQAR(seq_len=16, num_pairs=2, num_keys=4, num_values=4)
+MODEL = RecallConfig(
+    vocab_size=TASK.vocab_size, d_model=32, ffn_hidden=64, mixer=MixerConfig("deltanet", 2, 8, chunk_size=8)
+)
+CONFIG = TrainConfig(steps=20, batch_size=16, lr=3e-3, warmup=4, eval_every=5, eval_size=64, seed=3)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    c = TrainConfig(steps=100, lr=1e-3, warmup=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, c) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10], strict=False))
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(1e-4)
+
+
+def test_a_tiny_run_reduces_the_loss():
+    config = TrainConfig(steps=60, batch_size=16, lr=1e-2, warmup=5, eval_every=10, eval_size=64, seed=0)
+    history = train(TASK, MODEL, config, progress=False).history
+    assert history[0]["eval_loss"] < math.log(TASK.vocab_size) + 0.1  # starts near chance
+    assert history[-1]["eval_loss"] < 0.8 * history[0]["eval_loss"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert history[-1]["eval_acc"] > 1.5 / TASK.num_values  # better than guessing a value
+
+
+@pytest.fixture(scope="module")
+def whole_run():
+    return train(TASK, MODEL, CONFIG, progress=False)
+
+
+def test_training_is_deterministic_given_the_seed(whole_run):
+    a, b = whole_run, train(TASK, MODEL, CONFIG, progress=False)
+    assert a.history == b.history
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    other = train(TASK, MODEL, TrainConfig(**{**CONFIG.__dict__, "seed": 4}), stop_after=5, progress=False)
+    assert other.history[0] != a.history[0]
+
+
+def test_resuming_from_a_checkpoint_matches_the_uninterrupted_run(whole_run, tmp_path):
+    whole = whole_run
+    path = tmp_path / "run.safetensors"
+    first = train(TASK, MODEL, CONFIG, checkpoint=path, stop_after=10, progress=False)
+    assert [h["step"] for h in first.history] == [5, 10]
+    resumed = train(TASK, MODEL, CONFIG, checkpoint=path, resume=True, progress=False)
+    assert resumed.history == whole.history
+    for p, q in zip(resumed.model.parameters(), whole.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="train_config"):
+        train(TASK, MODEL, TrainConfig(**{**CONFIG.__dict__, "lr": 1e-3}), checkpoint=path, resume=True)
+
+
+def test_sweep_presets_build_their_tasks_and_summaries_pick_the_best_rate():
+    for preset in PRESETS.values():
+        for spec in run_specs(preset):
+            task_for(spec["task"], spec["seq_len"], preset["tasks"][spec["task"]])
+    runs = [
+        {"task": "mqar", "seq_len": 8, "mixer": "kda", "lr": lr, "seed": s, "final_acc": acc}
+        for lr, s, acc in [(1e-3, 0, 0.5), (1e-3, 1, 0.7), (3e-3, 0, 0.9), (3e-3, 1, 0.6)]
+    ]
+    (row,) = summarize(runs)
+    assert row["best_lr"] == 3e-3 and row["mean"] == pytest.approx(0.75)
+    assert (row["min"], row["max"], row["n_seeds"]) == (0.6, 0.9, 2)

@@ -33,6 +33,13 @@ def sync(stem: Path) -> None:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+            # Cells the book collapses (worked solutions) start collapsed in JupyterLab too.
+            tags = cell.metadata.get("tags", [])
+            hidden = {"source_hidden": "hide-input" in tags, "outputs_hidden": "hide-output" in tags}
+            if any(hidden.values()):
+                cell.metadata["jupyter"] = {key: True for key, on in hidden.items() if on}
+            else:
+                cell.metadata.pop("jupyter", None)
         cell.pop("id", None)  # ids would change on every sync; nbformat 4.4 has none
     nb.nbformat_minor = 4
     nb.metadata.setdefault("jupytext", {})["formats"] = FORMATS

@@ -6,8 +6,7 @@ The worked solutions are the `solution_*` functions, shown in the book's hidden 
 
 import torch
 
-from kda_edu.exercises import expect, passed
-from kda_edu.exercises.ch01 import not_answered
+from kda_edu.exercises import expect, not_answered, passed
 from kda_edu.linear_attention import linear_attention_recurrent
 from kda_edu.memory import linear_crosstalk
 

@@ -8,23 +8,8 @@ repeats the question. Each `solution_*` is the worked solution the book shows.
 import torch
 
 from kda_edu.delta_rule import delta_rule_recurrent
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import as_number, expect, not_answered, passed
 from kda_edu.online_regression import gradient_step, regression_loss, transition
-
-
-def not_answered(question: str) -> str:
-    """What a checker says while the reader's function still returns the placeholder None."""
-    text = f"Not answered yet: {question}"
-    print(text)
-    return text
-
-
-def as_number(fn, *args) -> float:
-    """`float(fn(*args))`, or WrongAnswer saying the function must return a number."""
-    try:
-        return float(fn(*args))
-    except (TypeError, ValueError) as error:
-        raise WrongAnswer(f"your function must return a number for arguments {args}, got: {error}") from None
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

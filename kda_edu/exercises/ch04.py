@@ -9,8 +9,7 @@ import math
 
 import torch
 
-from kda_edu.exercises import expect, passed
-from kda_edu.exercises.ch03 import as_number, not_answered
+from kda_edu.exercises import as_number, expect, not_answered, passed
 from kda_edu.gated_delta import gated_delta_recurrent
 from kda_edu.recall import retrieval_strength
 

@@ -17,8 +17,9 @@ norm, and the state size `H x K x V`:
 
 The recurrences run in their chunked PyTorch forms (`linear_attention_chunked`, `delta_rule_chunked`,
 `gated_delta_chunked`, `kda_chunked`), which are differentiable and far faster on a CPU than the loop.
-"attention" keeps the same layer around `kda_edu.attention.softmax_attention` but skips the L2 normalisation
-(softmax needs the scores' scale), so it is the reference with unbounded memory. No mixer has a positional
+"attention" keeps the same layer around `kda_edu.attention.softmax_attention`: its scores are the cosines of the
+L2-normalised q and k times a learned temperature per head (starting at sqrt(K)), since a softmax over scores in
+[-1, 1] could not pick one token out of many. It is the reference with unbounded memory. No mixer has a positional
 encoding; order comes from the causal structure, the short convolution and the gates.
 
 `RecallLM` is a pre-norm stack of `n_layers` blocks (mixer, then SwiGLU), as `kda_edu.model.HybridLM` but
@@ -107,6 +108,8 @@ class TokenMixer(nn.Module):
         if config.kind == "kda":  # one decay per head and key channel, through a low-rank projection
             self.f_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, H * K, bias=False))
             self.A_log, self.dt_bias = nn.Parameter(torch.empty(H)), nn.Parameter(torch.empty(H, K))
+        if config.kind == "attention":  # softmax needs sharp scores: cosine similarity times sqrt(K) at first
+            self.log_temperature = nn.Parameter(torch.full((H,), 0.5 * math.log(K)))
         self.g_down = nn.Linear(d_model, r, bias=False)
         self.g_up = nn.Linear(r, H * K, bias=True)
         self.o_norm = GatedRMSNorm(K, eps=1e-5)
@@ -132,10 +135,10 @@ class TokenMixer(nn.Module):
         H, K, C = cfg.num_heads, cfg.head_dim, cfg.chunk_size
         qkv, _ = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
-        if cfg.kind == "attention":
-            o = softmax_attention(q, k, v)
+        q, k = l2_normalize(q), l2_normalize(k)
+        if cfg.kind == "attention":  # cosine scores times a learned temperature per head
+            o = softmax_attention(q * self.log_temperature.exp()[:, None], k, v, scale=1.0)
         else:
-            q, k = l2_normalize(q), l2_normalize(k)
             if cfg.kind == "linear_attention":
                 o, _ = linear_attention_chunked(q, k, v, chunk_size=C)
             else:

@@ -38,7 +38,7 @@ PRESETS = {
     "cpu": {
         "model": {"d_model": 64, "n_layers": 2, "ffn_hidden": 128},
         "mixer": {"num_heads": 2, "head_dim": 16, "chunk_size": 32},
-        "train": {"steps": 300, "batch_size": 64, "warmup": 30, "eval_every": 25, "eval_size": 128},
+        "train": {"steps": 150, "batch_size": 64, "warmup": 15, "eval_every": 25, "eval_size": 128},
         "tasks": {
             "mqar": {"lengths": [32, 64], "pairs_per_token": 1 / 8, "num_keys": 16, "num_values": 16},
             "palindrome": {"lengths": [16, 32], "num_symbols": 16},
@@ -70,8 +70,8 @@ PRESETS = {
     },
 }
 
-# The notebook's live run: two cells of the CPU sweep (MQAR at T = 32, linear attention and DeltaNet, the first
-# seed and rate), so the chapter can compare what it trains with what the sweep committed.
+# The notebook's live run (under a minute on a CPU): two runs of the CPU sweep (MQAR at T = 32, linear attention
+# and DeltaNet, the first seed and rate), so the chapter can compare what it trains with what was committed.
 PRESETS["quick"] = {
     **PRESETS["cpu"],
     "tasks": {"mqar": {**PRESETS["cpu"]["tasks"]["mqar"], "lengths": [32]}},

@@ -45,7 +45,7 @@ PRESETS = {
             "stack": {"lengths": [32, 64], "num_stacks": 4, "num_values": 16},
         },
         "mixers": list(KINDS),
-        "seeds": [0, 1],
+        "seeds": [0, 1, 2],
         "lrs": [2e-3, 5e-3],
     },
     # The GPU sweep: the report's model shape (2 layers, 2 heads; head dim 64 here), lengths up to 1024.
@@ -163,9 +163,10 @@ def run_sweep(
 
     Args:
         preset_name: a key of `PRESETS`.
-        out: the JSON file; runs already in it (for the same preset) are skipped.
-        workers: runs trained at the same time, in separate processes (one CPU thread each on a CPU; spread
-            round-robin over the GPUs on a CUDA machine).
+        out: the JSON file; runs already in it (for the same preset) are skipped. A preset whose only change
+            is more seeds continues the file.
+        workers: runs trained at the same time, in separate processes with one CPU thread each (on a CUDA
+            machine spread round-robin over its GPUs).
         max_minutes: start no new run after this many minutes (the finished runs are saved; rerun to go on).
         device: "cpu" or "cuda"; None picks CUDA when available.
 
@@ -178,8 +179,10 @@ def run_sweep(
     data = {"preset": preset_name, "config": preset, "runs": []}
     if out.exists():
         data = load_results(out)
-        if data["preset"] != preset_name or data["config"] != json.loads(json.dumps(preset)):
+        same = {k: v for k, v in json.loads(json.dumps(preset)).items() if k != "seeds"}
+        if data["preset"] != preset_name or {k: v for k, v in data["config"].items() if k != "seeds"} != same:
             raise ValueError(f"{out} holds another preset or configuration; pass another --out")
+        data["config"] = preset  # more seeds may be added to a finished sweep
     data["environment"] = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()})",
@@ -205,7 +208,7 @@ def run_sweep(
         while todo or pending:
             out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
             while todo and len(pending) < workers and not out_of_time:
-                threads = 1 if device == "cpu" else None
+                threads = 1  # per process; on a GPU the CPU only launches kernels and samples tasks
                 pending.add(pool.submit(run_one, preset, todo.pop(0), place(submitted), threads))
                 submitted += 1
             if not pending:

@@ -56,3 +56,11 @@ def test_solution_passes(check, wrong):
 def test_wrong_answer_is_rejected(check, wrong):
     with pytest.raises(WrongAnswer):
         check(wrong)
+
+
+def test_reading_the_answer_after_a_pop_is_rejected():
+    def peek(tokens, num_values, num_stacks):
+        return [tokens[t + 1] for t in range(0, len(tokens), 2) if tokens[t] > num_values + num_stacks]
+
+    with pytest.raises(WrongAnswer):
+        ch12.check_stack_answers(peek)

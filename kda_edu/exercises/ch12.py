@@ -85,7 +85,7 @@ def check_schedule(fn) -> str:
 
 
 def solution_stack_answers(tokens: list[int], num_values: int, num_stacks: int) -> list[int]:
-    """The values returned by the pops of one Stack sequence, in order."""
+    """The values returned by the pops of one Stack sequence, in order (the token after each pop is hidden)."""
     stacks = [[] for _ in range(num_stacks)]
     answers = []
     for t in range(0, len(tokens), 2):
@@ -98,13 +98,16 @@ def solution_stack_answers(tokens: list[int], num_values: int, num_stacks: int) 
 
 
 def check_stack_answers(fn) -> str:
-    """`fn(tokens, num_values, num_stacks) -> list[int]` must return the targets of every pop."""
+    """`fn(tokens, num_values, num_stacks) -> list[int]` must return the targets of every pop. The token after
+    each pop (the popped value, which the model sees only after answering) is replaced by 0."""
     for S, nv, seed in ((1, 5, 0), (3, 7, 1), (5, 4, 2)):
         task = Stack(seq_len=60, num_stacks=S, num_values=nv)
         batch = task.sample(4, seed)
         for row in range(4):
             expected = batch.targets[row][batch.mask[row]].tolist()
-            got = _call(fn, batch.inputs[row].tolist(), nv, S)
+            hidden = batch.inputs[row].clone()
+            hidden[1:][batch.mask[row][:-1]] = 0  # the answers, shown after each pop, are hidden
+            got = _call(fn, hidden.tolist(), nv, S)
             expect(
                 list(got) == expected,
                 f"{S} stacks, {nv} values: expected {expected}, got {list(got)}. Tokens come in pairs "

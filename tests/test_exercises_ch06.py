@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from exercise_checks import checker_tests
 
 from kda_edu.exercises import WrongAnswer, ch06
 
@@ -31,15 +32,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
-def test_solution_passes(check, solution, wrong):
-    assert check(solution).startswith("Correct!")
-
-
-@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
-def test_wrong_answer_is_rejected(check, solution, wrong):
-    with pytest.raises(WrongAnswer):
-        check(wrong)
+test_solution_passes, test_wrong_answer_is_rejected = checker_tests(CASES)
 
 
 def test_bad_return_values_are_named():

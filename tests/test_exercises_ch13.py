@@ -1,6 +1,7 @@
 """Chapter 13's exercise checkers accept the worked solutions and reject wrong answers."""
 
 import pytest
+from exercise_checks import checker_tests
 
 from kda_edu.exercises import WrongAnswer, ch13
 
@@ -20,15 +21,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
-def test_solution_passes(check, solution, wrong):
-    assert check(solution).startswith("Correct!")
-
-
-@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
-def test_wrong_answer_is_rejected(check, solution, wrong):
-    with pytest.raises(WrongAnswer):
-        check(wrong)
+test_solution_passes, test_wrong_answer_is_rejected = checker_tests(CASES)
 
 
 def test_bad_return_values_are_named():

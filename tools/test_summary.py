@@ -23,7 +23,7 @@ def notebook_seconds(path: Path) -> dict[str, float]:
     """Wall time per notebook: the sum of its cells' times (nbval reports one test per cell)."""
     seconds: dict[str, float] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        name = case.get("classname", "").split(".")[-1] or case.get("file", "?")
+        name = case.get("classname", "?").removesuffix(".ipynb").split(".")[-1]  # "book.01_attention.ipynb"
         seconds[name] = seconds.get(name, 0.0) + float(case.get("time", 0))
     return seconds
 

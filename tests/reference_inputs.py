@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from kda_edu._checks import compute_dtype
+from kda_edu.kda import kda_recurrent
 
 # Tolerances on the relative error ||x - ref|| / ||ref|| (issue 3). The reference is always the float64 loop on
 # the same inputs, i.e. the exact answer: comparing two float32 results instead would add their rounding errors,
@@ -71,3 +72,10 @@ def shapes(draw, max_T: int = 80) -> dict:
         with_state=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+def kda_oracle(q, k, v, g, beta, h0=None, scale=None):
+    """The float64 KDA loop on the same inputs: `(o, final_state)`, the reference every kernel is held to."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    h0 = None if h0 is None else h0.double()
+    return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)

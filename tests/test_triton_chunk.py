@@ -8,8 +8,8 @@ checks at benchmark sizes and at T = 64K are in tests/gpu_check_chunk_kda.py.
 import pytest
 import torch
 import torch.nn.functional as F
+from reference_inputs import kda_oracle, rel_err
 
-from kda_edu.kda import kda_recurrent
 from kda_edu.triton import chunk_kda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,16 +30,6 @@ def make_inputs(B, T, H, HV, K, V, gate=-5.0, seed=0):
     return tuple(x.to(DEVICE) for x in (q, k, v, g, beta, h0))
 
 
-def oracle(q, k, v, g, beta, h0=None, scale=None):
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    h0 = None if h0 is None else h0.double()
-    return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 SHAPES = {
     # (B, T, H, HV, K, V)
     "one_step": (1, 1, 1, 1, 16, 16),
@@ -58,7 +48,7 @@ def test_matches_fp64_loop(shape, with_state):
     q, k, v, g, beta, h0 = make_inputs(*shape)
     h0 = h0 if with_state else None
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert o.dtype == torch.float32 and o.shape == v.shape
     assert ht.dtype == torch.float32 and ht.shape == ht_ref.shape
     assert rel_err(o, o_ref) <= TOL
@@ -69,7 +59,7 @@ def test_no_final_state_and_custom_scale():
     q, k, v, g, beta, _ = make_inputs(1, 40, 1, 1, 16, 16)
     o, ht = chunk_kda(q, k, v, g, beta, scale=0.5)
     assert ht is None
-    assert rel_err(o, oracle(q, k, v, g, beta, scale=0.5)[0]) <= TOL
+    assert rel_err(o, kda_oracle(q, k, v, g, beta, scale=0.5)[0]) <= TOL
 
 
 @pytest.mark.parametrize("gate", [-5.0, -60.0], ids=["lower_bound", "far_below"])
@@ -78,7 +68,7 @@ def test_strong_gates_stay_finite(gate):
     q, k, v, g, beta, h0 = make_inputs(1, 130, 1, 1, 16, 16, gate=gate)
     g[:, :70] = gate  # whole sub-chunks at the most negative gate
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL
 
@@ -88,7 +78,7 @@ def test_half_precision_inputs():
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 1, 32, 32)
     q, k, v = (x.bfloat16() for x in (q, k, v))
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     assert rel_err(o, o_ref) <= 5e-3 and rel_err(ht, ht_ref) <= 5e-3
 

@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
+from reference_inputs import kda_oracle, rel_err
 
-from kda_edu.kda import kda_recurrent
 from kda_edu.triton import fused_recurrent_kda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,25 +34,6 @@ def make_inputs(B, T, H, HV, K, V, dtype=torch.float32, n_states=None, seed=0):
     return tuple(x.to(DEVICE) for x in (q, k, v, g, beta, h0))
 
 
-def oracle(q, k, v, g, beta, h0=None, scale=None):
-    """The float64 loop on the same inputs."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    return kda_recurrent(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=None if h0 is None else h0.double(),
-        output_final_state=True,
-    )
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 SHAPES = {
     # (B, T, H, HV, K, V)
     "decode_step": (2, 1, 2, 2, 16, 16),
@@ -70,7 +51,7 @@ def test_matches_fp64_loop(shape, with_state):
     q, k, v, g, beta, h0 = make_inputs(*shape)
     h0 = h0 if with_state else None
     o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert o.dtype == torch.float32 and o.shape == v.shape
     assert ht.dtype == torch.float32 and ht.shape == ht_ref.shape
     assert rel_err(o, o_ref) <= TOL
@@ -80,7 +61,7 @@ def test_matches_fp64_loop(shape, with_state):
 def test_largest_head_size():
     q, k, v, g, beta, h0 = make_inputs(1, 2, 1, 1, 256, 256)
     o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL
 
 
@@ -88,7 +69,7 @@ def test_scale_and_no_final_state():
     q, k, v, g, beta, h0 = make_inputs(1, 3, 1, 2, 16, 8)
     o, ht = fused_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=h0)
     assert ht is None
-    assert rel_err(o, oracle(q, k, v, g, beta, h0, scale=0.3)[0]) <= TOL
+    assert rel_err(o, kda_oracle(q, k, v, g, beta, h0, scale=0.3)[0]) <= TOL
     o_default, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0)
     o_explicit, _ = fused_recurrent_kda(q, k, v, g, beta, scale=16**-0.5, initial_state=h0)
     torch.testing.assert_close(o_default, o_explicit, rtol=0, atol=0)
@@ -99,7 +80,7 @@ def test_half_precision_inputs(dtype):
     """Half-precision inputs give half-precision outputs; the state stays float32 and exact."""
     q, k, v, g, beta, h0 = make_inputs(1, 3, 1, 2, 16, 16, dtype=dtype)
     o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert o.dtype == dtype and ht.dtype == torch.float32
     assert rel_err(o, o_ref) <= 1e-2  # one rounding of o to 8 (bf16) or 11 (fp16) bits
     assert rel_err(ht, ht_ref) <= TOL
@@ -108,7 +89,7 @@ def test_half_precision_inputs(dtype):
 def test_inplace_decoding_loop():
     """T single-token calls updating one state buffer in place equal one call over all T tokens."""
     q, k, v, g, beta, h0 = make_inputs(2, 4, 1, 2, 12, 20)
-    o_ref, ht_ref = oracle(q, k, v, g, beta, h0)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     state = h0.clone()
     storage = state.untyped_storage().data_ptr()
     for t in range(4):
@@ -149,7 +130,7 @@ def test_varlen_equals_separate_runs(index_dtype, with_state):
             expected = torch.zeros_like(ht[n]) if h0 is None else h0[n]
             torch.testing.assert_close(ht[n], expected, rtol=0, atol=0)
             continue
-        o_ref, ht_ref = oracle(*(x[:, bos:eos] for x in (q, k, v, g, beta)), h0_n)
+        o_ref, ht_ref = kda_oracle(*(x[:, bos:eos] for x in (q, k, v, g, beta)), h0_n)
         assert rel_err(o[:, bos:eos], o_ref) <= TOL
         assert rel_err(ht[n : n + 1], ht_ref) <= TOL
 

@@ -79,3 +79,34 @@ def kda_oracle(q, k, v, g, beta, h0=None, scale=None):
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.double()
     return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+
+
+def assert_forms_agree(
+    recurrent, chunked, case: dict, dtype: torch.dtype, *, args: str, gate: str = "channel"
+):
+    """Both forms of one model, on fresh inputs of `case`'s sizes, equal the float64 loop within TOL[dtype].
+
+    `args` names the model's inputs among q, k, v, g, beta (e.g. "q k v beta" for DeltaNet). Returns the
+    inputs and the float64 inputs, for checks a test adds on top.
+    """
+    drawn = make_inputs(*(case[n] for n in "B T H HV K V".split()), dtype=dtype, gate=gate, seed=case["seed"])
+    x = {n: drawn[n] for n in args.split()}
+    if case["with_state"]:
+        x["initial_state"] = drawn["initial_state"]
+    x64 = float64(x)
+    o_ref, s_ref = recurrent(**x64, output_final_state=True)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for o, s in (
+        recurrent(**x, output_final_state=True),
+        chunked(**x, output_final_state=True, chunk_size=case["chunk_size"]),
+    ):
+        assert o.dtype == dtype and o.shape == x["v"].shape and s.dtype == state_dtype
+        assert rel_err(o, o_ref) <= TOL[dtype] and rel_err(s, s_ref) <= TOL[dtype]
+    return x, x64
+
+
+def edge_case(name: str, with_state: bool) -> dict:
+    """EDGE_CASES[name] as a case dict like `shapes()` draws, with a seed of its own."""
+    B, T, H, HV, K, V, C = EDGE_CASES[name]
+    seed = list(EDGE_CASES).index(name)
+    return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=seed)

@@ -3,39 +3,36 @@
 import pytest
 import torch
 from hypothesis import given, settings
-from reference_inputs import EDGE_CASES, TOL, float64, make_inputs, rel_err, shapes
+from reference_inputs import (
+    EDGE_CASES,
+    TOL,
+    assert_forms_agree,
+    edge_case,
+    make_inputs,
+    rel_err,
+    shapes,
+)
 
 from kda_edu.delta_rule import delta_rule_chunked, delta_rule_recurrent
 from kda_edu.kda import kda_chunked, kda_recurrent
 
 
-def assert_forms_agree(case: dict, dtype: torch.dtype) -> None:
-    x = make_inputs(*(case[n] for n in "B T H HV K V".split()), dtype=dtype, seed=case["seed"])
-    del x["g"]  # DeltaNet has no decay
-    if not case["with_state"]:
-        del x["initial_state"]
-    o_ref, s_ref = delta_rule_recurrent(**float64(x), output_final_state=True)
-    for o, s in (
-        delta_rule_recurrent(**x, output_final_state=True),
-        delta_rule_chunked(**x, output_final_state=True, chunk_size=case["chunk_size"]),
-    ):
-        assert o.dtype == dtype and rel_err(o, o_ref) <= TOL[dtype] and rel_err(s, s_ref) <= TOL[dtype]
+def assert_model_forms_agree(case: dict, dtype: torch.dtype) -> None:
+    assert_forms_agree(delta_rule_recurrent, delta_rule_chunked, case, dtype, args="q k v beta")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=40, deadline=None)
 @given(case=shapes())
 def test_chunked_equals_recurrent_sweep(case, dtype):
-    assert_forms_agree(case, dtype)
+    assert_model_forms_agree(case, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", EDGE_CASES)
 def test_chunked_equals_recurrent_edge_cases(name, dtype):
-    B, T, H, HV, K, V, C = EDGE_CASES[name]
     for with_state in (False, True):
-        case = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=4)
-        assert_forms_agree(case, dtype)
+        assert_model_forms_agree(edge_case(name, with_state), dtype)
 
 
 def test_recurrence_is_the_textbook_update():

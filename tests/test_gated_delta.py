@@ -3,39 +3,39 @@
 import pytest
 import torch
 from hypothesis import given, settings
-from reference_inputs import EDGE_CASES, TOL, float64, make_inputs, rel_err, shapes
+from reference_inputs import (
+    EDGE_CASES,
+    TOL,
+    assert_forms_agree,
+    edge_case,
+    make_inputs,
+    rel_err,
+    shapes,
+)
 
 from kda_edu.delta_rule import delta_rule_recurrent
 from kda_edu.gated_delta import gated_delta_chunked, gated_delta_recurrent
 from kda_edu.kda import kda_chunked, kda_recurrent
 
 
-def assert_forms_agree(case: dict, dtype: torch.dtype) -> None:
-    x = make_inputs(*(case[n] for n in "B T H HV K V".split()), dtype=dtype, gate="head", seed=case["seed"])
-    if not case["with_state"]:
-        del x["initial_state"]
-    o_ref, s_ref = gated_delta_recurrent(**float64(x), output_final_state=True)
-    for o, s in (
-        gated_delta_recurrent(**x, output_final_state=True),
-        gated_delta_chunked(**x, output_final_state=True, chunk_size=case["chunk_size"]),
-    ):
-        assert o.dtype == dtype and rel_err(o, o_ref) <= TOL[dtype] and rel_err(s, s_ref) <= TOL[dtype]
+def assert_model_forms_agree(case: dict, dtype: torch.dtype) -> None:
+    assert_forms_agree(
+        gated_delta_recurrent, gated_delta_chunked, case, dtype, args="q k v g beta", gate="head"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=40, deadline=None)
 @given(case=shapes())
 def test_chunked_equals_recurrent_sweep(case, dtype):
-    assert_forms_agree(case, dtype)
+    assert_model_forms_agree(case, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", EDGE_CASES)
 def test_chunked_equals_recurrent_edge_cases(name, dtype):
-    B, T, H, HV, K, V, C = EDGE_CASES[name]
     for with_state in (False, True):
-        case = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=5)
-        assert_forms_agree(case, dtype)
+        assert_model_forms_agree(edge_case(name, with_state), dtype)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,15 @@ import pytest
 import torch
 from fla.ops.kda.naive import naive_recurrent_kda
 from hypothesis import given, settings
-from reference_inputs import EDGE_CASES, TOL, float64, make_inputs, rel_err, shapes
+from reference_inputs import (
+    EDGE_CASES,
+    TOL,
+    assert_forms_agree,
+    edge_case,
+    make_inputs,
+    rel_err,
+    shapes,
+)
 
 from kda_edu.kda import kda_chunked, kda_recurrent, kda_step
 
@@ -16,31 +24,22 @@ def both_forms(x, chunk_size, with_state=True, scale=None):
     return kda_recurrent(*args, **kw), kda_chunked(*args, **kw, chunk_size=chunk_size)
 
 
-def assert_forms_agree(case: dict, dtype: torch.dtype) -> None:
-    x = make_inputs(*(case[n] for n in "B T H HV K V".split()), dtype=dtype, seed=case["seed"])
-    (o_r, s_r), (o_c, s_c) = both_forms(x, case["chunk_size"], case["with_state"])
-    o_ref, s_ref = both_forms(float64(x), case["chunk_size"], case["with_state"])[0]
-    assert o_c.dtype == dtype and o_c.shape == x["v"].shape
-    assert s_c.dtype == s_r.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    for o, s in ((o_r, s_r), (o_c, s_c)):
-        assert rel_err(o, o_ref) <= TOL[dtype] and rel_err(s, s_ref) <= TOL[dtype]
+def assert_kda_forms_agree(case: dict, dtype: torch.dtype) -> None:
+    assert_forms_agree(kda_recurrent, kda_chunked, case, dtype, args="q k v g beta")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=40, deadline=None)
 @given(case=shapes())
 def test_chunked_equals_recurrent_sweep(case, dtype):
-    assert_forms_agree(case, dtype)
+    assert_kda_forms_agree(case, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", EDGE_CASES)
 def test_chunked_equals_recurrent_edge_cases(name, dtype):
-    B, T, H, HV, K, V, C = EDGE_CASES[name]
     for with_state in (False, True):
-        seed = list(EDGE_CASES).index(name)
-        case = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=seed)
-        assert_forms_agree(case, dtype)
+        assert_kda_forms_agree(edge_case(name, with_state), dtype)
 
 
 def test_custom_scale_and_bfloat16_output_dtype():

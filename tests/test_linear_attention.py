@@ -3,7 +3,15 @@
 import pytest
 import torch
 from hypothesis import given, settings
-from reference_inputs import EDGE_CASES, TOL, float64, make_inputs, rel_err, shapes
+from reference_inputs import (
+    EDGE_CASES,
+    TOL,
+    assert_forms_agree,
+    edge_case,
+    make_inputs,
+    rel_err,
+    shapes,
+)
 
 from kda_edu.kda import kda_recurrent
 from kda_edu.linear_attention import (
@@ -14,26 +22,11 @@ from kda_edu.linear_attention import (
 from kda_edu.recurrence import general_recurrence
 
 
-def assert_forms_agree(case: dict, dtype: torch.dtype) -> None:
-    x = make_inputs(*(case[n] for n in "B T H HV K V".split()), dtype=dtype, seed=case["seed"])
-    q, k, v = x["q"], x["k"], x["v"]
-    h0 = x["initial_state"] if case["with_state"] else None
-    x64 = float64(x)
-    o_ref, s_ref = linear_attention_recurrent(
-        x64["q"],
-        x64["k"],
-        x64["v"],
-        initial_state=None if h0 is None else h0.double(),
-        output_final_state=True,
+def assert_three_forms_agree(case: dict, dtype: torch.dtype) -> None:
+    x, x64 = assert_forms_agree(
+        linear_attention_recurrent, linear_attention_chunked, case, dtype, args="q k v"
     )
-    for o, s in (
-        linear_attention_recurrent(q, k, v, initial_state=h0, output_final_state=True),
-        linear_attention_chunked(
-            q, k, v, initial_state=h0, output_final_state=True, chunk_size=case["chunk_size"]
-        ),
-    ):
-        assert o.dtype == dtype and rel_err(o, o_ref) <= TOL[dtype] and rel_err(s, s_ref) <= TOL[dtype]
-    o_p = linear_attention_parallel(q, k, v)
+    o_p = linear_attention_parallel(x["q"], x["k"], x["v"])
     assert rel_err(o_p, linear_attention_recurrent(x64["q"], x64["k"], x64["v"])[0]) <= TOL[dtype]
 
 
@@ -41,16 +34,14 @@ def assert_forms_agree(case: dict, dtype: torch.dtype) -> None:
 @settings(max_examples=40, deadline=None)
 @given(case=shapes())
 def test_three_forms_agree_sweep(case, dtype):
-    assert_forms_agree(case, dtype)
+    assert_three_forms_agree(case, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", EDGE_CASES)
 def test_three_forms_agree_edge_cases(name, dtype):
-    B, T, H, HV, K, V, C = EDGE_CASES[name]
     for with_state in (False, True):
-        case = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=3)
-        assert_forms_agree(case, dtype)
+        assert_three_forms_agree(edge_case(name, with_state), dtype)
 
 
 def test_parallel_form_is_attention_without_softmax():

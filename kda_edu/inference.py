@@ -7,11 +7,13 @@
 - `synthetic_cache(model, batch, context_len)`: a cache of the shapes `context_len` tokens would leave, filled
   with random numbers. Decoding time depends on the cache's shapes, not its contents, so timing runs use it
   instead of a long (and, for full attention, quadratic) prefill.
-- `decode_step_seconds(model, cache)` and `decode_throughput(...)`: tokens per second of one decoding step
-  over a batch, at several context lengths.
+- `decode_step_seconds(model, cache)`, `decode_row(model, batch, context_len)` and `decode_throughput(...)`:
+  tokens per second of one decoding step over a batch, at one or several context lengths.
 - `mla_append_seconds(layer, history, appended, mode)`: the time of one MLA append in MHA or MQA mode.
-- `max_batch(config, context_len, budget_bytes)`: how many sequences' caches fit in a memory budget.
-- `largest_batch_rows(result, pattern)` picks, per context length, the row with the largest batch.
+- `decode_step_bytes(config, context_len)`: the temporary memory of one decoding step on top of the caches.
+- `max_batch(config, context_len, budget_bytes)`: how many sequences decode within a memory budget (their
+  caches and one step's temporaries).
+- `largest_batch_rows(result, pattern)` picks, per context length, the measured row with the largest batch.
 """
 
 import math
@@ -21,7 +23,7 @@ import torch
 
 from kda_edu.costs import cache_bytes
 from kda_edu.kda_layer import KDACache
-from kda_edu.mla import MLACache
+from kda_edu.mla import MQA_SLICE_NUMBERS, MLACache
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
 
 # Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).
@@ -121,28 +123,67 @@ def _truncate(cache: HybridCache, lengths: list[int | None]) -> None:
             layer.latent = layer.latent[:, :n]
 
 
-def decode_step_seconds(model: HybridLM, cache: HybridCache, steps: int = 5, warmup: int = 2) -> float:
+def decode_step_seconds(
+    model: HybridLM, cache: HybridCache, steps: int = 5, warmup: int = 2, max_seconds: float = math.inf
+) -> float:
     """Seconds of one decoding step (one new token per sequence) from `cache`: the fastest of `steps` runs.
 
     After every run the MLA caches are cut back to their length before the run (the KDA caches have a fixed
     size), so every run decodes at the same context length. The minimum over runs, as in chapter 1: on a
-    shared machine other work only adds time.
+    shared machine other work only adds time. `warmup` untimed runs come first (one-off costs: kernel
+    compilation, library heuristics, memory allocation). Once `max_seconds` have passed, the warm-up ends
+    after the current run and the timing after the next timed run, so a slow point costs at most a few steps.
     """
     param = next(model.parameters())
     batch = next(c.state.shape[0] if isinstance(c, KDACache) else c.latent.shape[0] for c in cache.layers)
     token = torch.zeros(batch, 1, dtype=torch.long, device=param.device)
     lengths = [c.seq_len if isinstance(c, MLACache) else None for c in cache.layers]
-    best = math.inf
+    best, runs, timed = math.inf, 0, 0
+    begin = time.perf_counter()
     with torch.no_grad():
-        for i in range(warmup + steps):
+        while timed < steps:
             _sync(param.device)
             start = time.perf_counter()
             model._logits(token, cache)
             _sync(param.device)
-            if i >= warmup:
-                best = min(best, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
             _truncate(cache, lengths)
+            runs += 1
+            over_time = time.perf_counter() - begin > max_seconds
+            if runs > warmup:
+                best, timed = min(best, seconds), timed + 1
+                if over_time:
+                    break
+            elif over_time:
+                warmup = runs  # the warm-up has used the time allowed: time the next run
     return best
+
+
+def decode_row(
+    model: HybridLM,
+    batch: int,
+    context_len: int,
+    steps: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    max_seconds: float = math.inf,
+) -> dict:
+    """Decoding speed of `model` for `batch` sequences at `context_len`, from a `synthetic_cache`.
+
+    Returns:
+        `{"context_len", "batch", "step_s", "tokens_per_s", "cache_bytes"}`; tokens_per_s = batch / step_s
+        (one token per sequence per step), cache_bytes the whole batch's cache, which one step reads in full
+        (MLA latents) or reads and rewrites (KDA state and window).
+    """
+    cache = synthetic_cache(model, batch, context_len, seed=seed)
+    step = decode_step_seconds(model, cache, steps=steps, warmup=warmup, max_seconds=max_seconds)
+    return {
+        "context_len": context_len,
+        "batch": batch,
+        "step_s": step,
+        "tokens_per_s": batch / step,
+        "cache_bytes": cache.nbytes(),
+    }
 
 
 def decode_throughput(
@@ -157,27 +198,12 @@ def decode_throughput(
     """Decoding speed of a randomly initialised `HybridLM` at several context lengths.
 
     Returns:
-        One dict per context length: `{"context_len", "batch", "step_s", "tokens_per_s", "cache_bytes"}`;
-        tokens_per_s = batch / step_s (one token per sequence per step), cache_bytes the whole batch's cache,
-        which one step reads in full (MLA latents) or reads and rewrites (KDA state and window).
+        One `decode_row` dict per context length: `{"context_len", "batch", "step_s", "tokens_per_s",
+        "cache_bytes"}`.
     """
     torch.manual_seed(seed)
     model = HybridLM(config).to(device=device, dtype=dtype).eval()
-    rows = []
-    for S in context_lens:
-        cache = synthetic_cache(model, batch, S, seed=seed)
-        step = decode_step_seconds(model, cache, steps=steps)
-        rows.append(
-            {
-                "context_len": S,
-                "batch": batch,
-                "step_s": step,
-                "tokens_per_s": batch / step,
-                "cache_bytes": cache.nbytes(),
-            }
-        )
-        del cache
-    return rows
+    return [decode_row(model, batch, S, steps=steps, seed=seed) for S in context_lens]
 
 
 def mla_append_seconds(
@@ -209,17 +235,72 @@ def mla_append_seconds(
     return best
 
 
-def max_batch(config: HybridConfig, context_len: int, budget_bytes: float, dtype_bytes: int = 2) -> int:
-    """How many sequences of `context_len` tokens fit their caches in `budget_bytes` (weights not counted)."""
+def decode_step_bytes(
+    config: HybridConfig, context_len: int, batch_size: int = 1, dtype_bytes: int = 2
+) -> int:
+    """Bytes one decoding step allocates on top of the caches it starts from (weights not counted).
+
+    An upper estimate from the shapes. The layers run one after another and free their temporaries, so the
+    step's peak is that of its most demanding layer, plus the logits. Per sequence, with S = context_len + 1
+    after the new token is appended and c = 4 bytes (8 for a float64 model):
+
+    - an MLA layer (MQA mode): first `torch.cat` builds the longer latent cache next to the old one,
+      `S r dtype_bytes`; then `causal_attention` holds the float32 scores and probabilities `[H, 1, S]`,
+      `2 H S c`, two partial outputs `2 H r c`, and a float32 slice of the latents (at most
+      `MQA_SLICE_NUMBERS` numbers for the whole batch; counted twice, with the slice's scores).
+    - a KDA layer: the new state and two more of its size for the update, `3 HV K V c`, and a new window.
+    - the hidden states and logits at the end: `2 (d_model + vocab_size) c`.
+    """
+    B, S, c = batch_size, context_len + 1, max(dtype_bytes, 4)
+    kinds = config.layer_kinds
+    mla_layer = kda_layer = 0
+    if "A" in kinds:
+        m = config.mla
+        appended = B * S * m.kv_rank * dtype_bytes
+        positions = min(S, max(1, MQA_SLICE_NUMBERS // max(1, B * m.kv_rank)))  # as causal_attention slices
+        attention = B * 2 * m.num_heads * (S + m.kv_rank) * c + 2 * positions * B * m.kv_rank * c
+        mla_layer = max(appended, attention)
+    if "K" in kinds:
+        k = config.kda
+        window = (k.conv_size - 1) * (2 * k.num_heads * k.head_dim + k.hv * k.v_dim) * dtype_bytes
+        kda_layer = B * (3 * k.hv * k.head_dim * k.v_dim * c + window)
+    logits = B * 2 * (config.d_model + config.vocab_size) * c
+    return max(mla_layer, kda_layer) + logits
+
+
+def max_batch(
+    config: HybridConfig,
+    context_len: int,
+    budget_bytes: float,
+    dtype_bytes: int = 2,
+    include_step: bool = True,
+) -> int:
+    """How many sequences of `context_len` tokens can decode within `budget_bytes` (weights not counted).
+
+    The budget holds the caches (`kda_edu.costs.cache_bytes`) and, with `include_step`, the temporaries of
+    one decoding step (`decode_step_bytes`); without it, only the caches are counted.
+    """
+
+    def needed(batch: int) -> int:
+        caches = sum(cache_bytes(config, context_len, batch_size=batch, dtype_bytes=dtype_bytes).values())
+        step = decode_step_bytes(config, context_len, batch, dtype_bytes) if include_step else 0
+        return caches + step
+
     per_sequence = sum(cache_bytes(config, context_len, batch_size=1, dtype_bytes=dtype_bytes).values())
-    return int(budget_bytes // per_sequence)
+    low, high = 0, int(budget_bytes // per_sequence) + 1  # needed(low) <= budget < needed(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if needed(mid) <= budget_bytes else (low, mid)
+    return low
 
 
 def largest_batch_rows(result: dict, pattern: str) -> list[dict]:
-    """From a `bench_decode_throughput` result, the row with the largest batch at each context length of
-    `pattern`, ordered by context length."""
+    """From a `bench_decode_throughput` result, the measured row with the largest batch at each context
+    length of `pattern`, ordered by context length (rows marked `"skipped"` are left out)."""
     best: dict[int, dict] = {}
     for row in result["rows"]:
-        if row["pattern"] == pattern and row["batch"] >= best.get(row["context_len"], {"batch": 0})["batch"]:
+        if row.get("skipped") or row["pattern"] != pattern:
+            continue
+        if row["batch"] >= best.get(row["context_len"], {"batch": 0})["batch"]:
             best[row["context_len"]] = row
     return [best[S] for S in sorted(best)]

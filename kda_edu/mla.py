@@ -19,7 +19,9 @@ compute the same attention:
 - **MQA mode** (decoding): `q_h . (W_uk,h c_s) = (W_uk,h^T q_h) . c_s`, so absorb `W_uk,h` into the query,
   attend directly over the latents (one shared "key head" of width r, multi-query attention), and apply
   `W_uv,h` after the weighted sum of latents: `sum_s p_s W_uv,h c_s = W_uv,h sum_s p_s c_s`. Nothing per
-  head is ever materialised for the cached positions.
+  head is ever materialised for the cached positions (`causal_attention` folds the heads into the query
+  rows rather than broadcasting the latents over them); a decoding step's temporaries are the `[B, H, 1,
+  S]` float32 scores and probabilities and a bounded float32 slice of the latents.
 
 Both modes read the same `MLACache` and agree up to rounding (tested). The default picks MHA mode when
 several tokens arrive at once and MQA mode for a single decoded token.
@@ -89,26 +91,52 @@ class MLACache:
         return latent
 
 
+# Multi-query attention converts the shared keys and values to float32 at most this many numbers at a time
+# (256 MiB), so a decoding step never holds a float32 copy of a whole (bf16) latent cache.
+MQA_SLICE_NUMBERS = 2**26
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of the last T of S positions, causally masked.
 
     Query i sits at position `S - T + i` and sees keys `0 .. S - T + i`. Keys and values may have one head
     shared by all query heads (multi-query attention) or one per query head.
 
+    With one shared head (MLA's MQA mode, where keys and values are the latent cache) the query heads are
+    folded into the query rows, `[B, T H, D] @ [B, D, S]`, so the shared head is read as it is; a
+    broadcasting `[B, H, T, D] @ [B, 1, D, S]` would first copy it once per query head, H copies of the
+    cache. It is read in two passes (scores, then the weighted sum) over slices of at most
+    `MQA_SLICE_NUMBERS` numbers, each converted to float32 on its own. The temporaries are then the `[B, T, H,
+    S]` scores and probabilities and one float32 slice, whatever the size of the cache.
+
     Args:
         q: `[B, T, H, D]`.
         k: `[B, S, Hk, D]` with Hk = H or 1, S >= T.
-        v: `[B, S, Hk, Dv]`.
+        v: `[B, S, Hk, Dv]` (may be the same tensor as k).
         scale: multiplies the scores.
 
     Returns:
         `[B, T, H, Dv]`, computed and returned in float32 (float64 for float64 inputs).
     """
-    T, S = q.shape[1], k.shape[1]
+    B, T, H, _ = q.shape
+    S = k.shape[1]
     dtype = torch.promote_types(q.dtype, torch.float32)
+    visible = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]  # [T, S]
+    if k.shape[2] == 1:  # one key/value head shared by all query heads
+        keys, values = k[:, :, 0], v[:, :, 0]  # [B, S, D], [B, S, Dv]
+        rows = q.to(dtype).reshape(B, T * H, -1) * scale  # [B, T H, D]: query heads as rows
+        width = max(1, MQA_SLICE_NUMBERS // (B * max(keys.shape[-1], values.shape[-1])))  # positions a slice
+        slices = [slice(s, min(s + width, S)) for s in range(0, S, width)]
+        scores = rows.new_empty(B, T * H, S)
+        for part in slices:
+            scores[:, :, part] = torch.bmm(rows, keys[:, part].to(dtype).transpose(1, 2))
+        scores = scores.view(B, T, H, S).masked_fill_(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(B, T * H, S)
+        del scores
+        out = sum(torch.bmm(probs[:, :, part], values[:, part].to(dtype)) for part in slices)
+        return out.view(B, T, H, -1)
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))  # [B, heads, time, dim]
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, T, S]
-    visible = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return (probs @ v).transpose(1, 2)
 

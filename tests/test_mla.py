@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from kda_edu import mla
 from kda_edu.mla import MLA, MLACache, MLAConfig, causal_attention
 
 D = 32
@@ -22,6 +25,49 @@ def test_causal_attention_matches_explicit_loop():
         visible = 7 - 3 + i + 1  # query i sits at position 4 + i
         p = torch.softmax(torch.einsum("bhd,bshd->bhs", q[:, i], k[:, :visible]) * 0.5, dim=-1)
         torch.testing.assert_close(out[:, i], torch.einsum("bhs,bshd->bhd", p, v[:, :visible]))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_shared_head_equals_expanded_heads_in_any_slices(T, monkeypatch):
+    torch.manual_seed(0)
+    q = torch.randn(2, T, 4, 6, dtype=torch.float64)
+    k, v = torch.randn(2, 9, 1, 6, dtype=torch.float64), torch.randn(2, 9, 1, 5, dtype=torch.float64)
+    expanded = causal_attention(q, k.expand(-1, -1, 4, -1), v.expand(-1, -1, 4, -1), scale=0.4)
+    for numbers in (mla.MQA_SLICE_NUMBERS, 2 * 6 * 4, 1):  # one slice; slices of 4 positions; of 1
+        monkeypatch.setattr(mla, "MQA_SLICE_NUMBERS", numbers)
+        torch.testing.assert_close(causal_attention(q, k, v, scale=0.4), expanded, rtol=1e-12, atol=1e-12)
+        same = causal_attention(q, k, k, scale=0.4)  # keys that are the values, as in MLA
+        torch.testing.assert_close(same, causal_attention(q, k, k.clone(), scale=0.4))
+
+
+class LargestNewTensor(TorchDispatchMode):
+    """Records the bytes of the largest tensor storage any operation returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+def test_decoding_step_makes_no_per_head_copy_of_the_cache(monkeypatch):
+    """MQA mode must read the latents as they are: a broadcasting matmul against `[B, 1, r, S]` keys would
+    copy them once per head (64 GiB for one layer at S = 4096, batch 256, on the GPU). The largest tensor a
+    step creates is the longer cache itself; float32 slices of it stay within MQA_SLICE_NUMBERS."""
+    layer = make_layer().float()  # H = 4, r = 24
+    B, S, r = 2, 300, layer.config.kv_rank
+    cache = layer.new_cache()
+    with torch.no_grad():
+        layer(torch.randn(B, S, D), cache=cache)
+        monkeypatch.setattr(mla, "MQA_SLICE_NUMBERS", B * r * 50)  # 50 positions per slice
+        with LargestNewTensor() as largest:
+            layer(torch.randn(B, 1, D), cache=cache)
+    assert largest.nbytes == B * (S + 1) * r * 4  # torch.cat's new cache; H copies would be 4 times that
 
 
 @pytest.mark.parametrize("output_gate", [False, True])

@@ -53,6 +53,14 @@ def test_design_bytes_at_the_benchmark_shape():
     assert math.isclose(ch08.solution_design_bytes(128, 128, 64, 2, 2), 1282 + 2 * 1160 + 256)
 
 
+def test_design_bytes_rejects_counting_the_l2_reread():
+    def with_reread(K, V, C, in_bytes, mid_bytes):
+        return ch08.solution_design_bytes(K, V, C, in_bytes, mid_bytes) + in_bytes * K + 4 * K
+
+    with pytest.raises(WrongAnswer, match="L2"):
+        ch08.check_design_bytes(with_reread)
+
+
 def test_crossover_never_and_named_errors():
     assert ch08.solution_crossover([1, 2, 4], [1, 2, 4], [0.5, 1, 2]) is None
     with pytest.raises(WrongAnswer, match="raised"):

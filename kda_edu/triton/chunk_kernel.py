@@ -4,8 +4,9 @@
   Aqk, exp(gc_C)) as `[B, HV, NT, C, *]` tensors; `scan` runs the second kernel on them.
 - `reference_intermediates` computes the same intermediates in float64 PyTorch, from the chunkwise pieces of
   chapter 6 (`kda_edu.chunkwise`).
-- `product_form_inverse` is the kernel's triangular inverse, written in PyTorch so that its identity can be
-  checked against `torch.linalg.inv`.
+- `diagonal_block_inverse` and `block_forward_substitution` are the kernel's triangular solve, written in
+  PyTorch so that they can be checked against `torch.linalg.inv` / `torch.linalg.solve`: (I + L)^-1 B, 16
+  rows at a time, with the product-form inverse used only for the 16 x 16 diagonal blocks.
 - `design_traffic` and `design_flops` count what the two kernels move and compute per token and head.
 - `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
   `kda_edu.book.bench_result`).
@@ -24,19 +25,22 @@ from kda_edu.triton.chunk import CHUNK, SUB, _chunk_prepare_kernel, _chunk_scan_
 # The two kernels, one at a time
 
 
-def prepare(q, k, v, g, beta, scale: float | None = None) -> dict:
+def prepare(q, k, v, g, beta, scale: float | None = None, kc: int | None = None) -> dict:
     """Run `_chunk_prepare_kernel` alone (float32 inputs) and return its outputs, chunk by chunk.
 
     Returns a dict of `[B, HV, NT, C, *]` tensors, trimmed to K / V columns: `w`, `u`, `qg`, `kd` (`[.., K]` or
     `[.., V]`), `aqk` (`[.., C, C]`, lower triangle; the kernel never writes above the diagonal blocks), `gl`
-    (`[B, HV, NT, K]`, exp(gc_C)), and `flat`: the padded buffers as the scan kernel reads them.
+    (`[B, HV, NT, K]`, exp(gc_C)), and `flat`: the padded buffers as the scan kernel reads them (layout
+    `[HV, B * NT * C, cols]`: value head first, then the global chunk index, then the row). `kc` key columns
+    per step of the kernel's column loops (the launcher's default when None).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
     BT, BK, BV = CHUNK, _pow2(K), _pow2(V)
     NT = triton.cdiv(T, BT)
-    rows = B * HV * NT * BT
+    NCH = B * NT  # chunks in all; chunk i_c is chunk i_c % NT of sequence i_c // NT
+    rows = HV * NCH * BT
     f32 = dict(device=q.device, dtype=torch.float32)
     flat = dict(
         w=torch.empty(rows, BK, **f32),
@@ -44,22 +48,23 @@ def prepare(q, k, v, g, beta, scale: float | None = None) -> dict:
         qg=torch.empty(rows, BK, **f32),
         kd=torch.empty(rows, BK, **f32),
         aqk=torch.empty(rows, BT, **f32),
-        gl=torch.empty(B * HV * NT, BK, **f32),
+        gl=torch.empty(HV * NCH, BK, **f32),
     )
-    lmat = torch.empty(rows, BT, **f32)
     q, k, v, g, beta = (x.contiguous().float() for x in (q, k, v, g, beta))
-    _chunk_prepare_kernel[(NT, B * HV)](
-        q, k, v, g, beta, *flat.values(), lmat, T, H, HV, K, V, scale,
-        BT=BT, BC=SUB, BK=BK, BV=BV, PREC="ieee", num_warps=4 if BK <= 64 else 8,
-    )  # fmt: skip
+    kc = kc or min(32, BK)
+    if NCH > 0:
+        _chunk_prepare_kernel[(NCH, HV)](
+            q, k, v, g, beta, *flat.values(), None, T, H, HV, K, V, NT, NCH, scale,
+            BT=BT, BC=SUB, BK=BK, BV=BV, KC=kc, VC=min(kc, BV), PREC="ieee", IS_VARLEN=False, num_warps=4,
+        )  # fmt: skip
 
-    def view(name, cols):
-        return flat[name].view(B, HV, NT, BT, -1)[..., :cols]
+    def view(name, cols):  # [HV, B, NT, C, cols] -> [B, HV, NT, C, cols]
+        return flat[name].view(HV, B, NT, BT, -1).permute(1, 0, 2, 3, 4)[..., :cols]
 
     out = dict(w=view("w", K), u=view("u", V), qg=view("qg", K), kd=view("kd", K), aqk=view("aqk", BT).tril())
-    out["gl"] = flat["gl"].view(B, HV, NT, BK)[..., :K]
+    out["gl"] = flat["gl"].view(HV, B, NT, BK).permute(1, 0, 2, 3)[..., :K]
     out["flat"] = flat
-    out["sizes"] = dict(B=B, T=T, HV=HV, K=K, V=V, NT=NT)
+    out["sizes"] = dict(B=B, T=T, HV=HV, K=K, V=V, NT=NT, NCH=NCH)
     return out
 
 
@@ -70,13 +75,16 @@ def scan(prepared: dict, initial_state: torch.Tensor | None = None, bv: int = 16
     """
     s = prepared["sizes"]
     flat = prepared["flat"]
-    o = torch.empty(s["B"], s["T"], s["HV"], s["V"], device=flat["w"].device)
-    ht = torch.empty(s["B"], s["HV"], s["K"], s["V"], device=flat["w"].device)
+    dev = flat["w"].device
+    o = torch.empty(s["B"], s["T"], s["HV"], s["V"], device=dev)
+    ht = torch.empty(s["B"], s["HV"], s["K"], s["V"], device=dev)
+    h0 = initial_state.contiguous().float() if initial_state is not None else None
+    BK = _pow2(s["K"])
     _chunk_scan_kernel[(triton.cdiv(s["V"], bv), s["B"] * s["HV"])](
-        *flat.values(), o, initial_state, ht, s["T"], s["HV"], s["K"], s["V"], s["NT"],
-        BT=CHUNK, BK=_pow2(s["K"]), BVP=_pow2(s["V"]), BV=bv,
-        USE_H0=initial_state is not None, STORE_HT=True, PREC="ieee", num_warps=4,
-        num_stages=1 if _pow2(s["K"]) * 4 > 512 else 2,  # as the launcher: two stages of float32 tiles fit up to K = 128
+        *flat.values(), o, h0, ht, None, None, s["T"], s["HV"], s["K"], s["V"], s["NT"], s["NCH"],
+        BT=CHUNK, BK=BK, BVP=_pow2(s["V"]), BV=bv, USE_H0=h0 is not None, STORE_HT=True, PREC="ieee",
+        IS_VARLEN=False, num_warps=4,
+        num_stages=1 if BK * 4 > 512 else 2,  # as the launcher: two stages of float32 tiles fit up to K = 128
     )  # fmt: skip
     return o, ht
 
@@ -85,7 +93,8 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
     """The prepare kernel's outputs computed in float64 PyTorch, `[B, HV, NT, C, *]` like `prepare`.
 
     Also returns `gc` (the within-chunk cumulative log decay), `A` (= Diag(beta) A of chapter 6, strictly lower
-    triangular) and `X` = (I + A)^-1.
+    triangular, the kernel's L), `X` = (I + A)^-1 (which the kernel never forms) and `rhs` = Diag(beta)
+    [K * exp(gc), V], the right-hand sides whose solutions are [w, u].
     """
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -103,58 +112,82 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
     gc_end = gc[..., -1:, :]
     return dict(
         w=w, u=u, qg=q_c * gc.exp(), kd=k_c * (gc_end - gc).exp(), aqk=aqk, gl=gc_end.squeeze(-2).exp(),
-        gc=gc, A=A, X=X,
+        gc=gc, A=A, X=X, rhs=rhs,
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The triangular inverse by products
+# The triangular solve, 16 rows at a time
 
 
-def product_form_inverse(L: torch.Tensor, block: int = SUB) -> torch.Tensor:
-    """`(I + L)^-1` for strictly lower-triangular L `[..., C, C]` the way the prepare kernel computes it.
+def diagonal_block_inverse(L: torch.Tensor) -> torch.Tensor:
+    """`(I + L)^-1` of one strictly lower-triangular block `[..., n, n]` by products, as the kernel does it.
 
-    Ld = the diagonal `block x block` blocks of L, Lo = the rest. I + L = (I + Ld)(I + N), N = (I + Ld)^-1 Lo.
-    Ld^block = 0, so (I + Ld)^-1 = (I - Ld)(I + Ld^2)(I + Ld^4)...(I + Ld^(block/2)); N is zero on and above
-    the diagonal blocks, so N^(C/block) = 0 and (I + N)^-1 = I - N + N^2 - ... (C/block terms).
+    L^n = 0, so the Neumann series I - L + L^2 - ... is finite, and with m = the next power of two >= n it
+    factors as (I - L)(I + L^2)(I + L^4)...(I + L^(m/2)): for n = 16, three squarings and three updates.
+    """
+    n = L.shape[-1]
+    X = torch.eye(n, dtype=L.dtype, device=L.device) - L
+    P = L
+    for _ in range(max(0, math.ceil(math.log2(max(n, 1))) - 1)):
+        P = P @ P  # L^2, L^4, ...
+        X = X + X @ P  # X (I + P)
+    return X
+
+
+def block_forward_substitution(L: torch.Tensor, B: torch.Tensor, block: int = SUB) -> torch.Tensor:
+    """`(I + L)^-1 B` for strictly lower-triangular L `[..., C, C]` and B `[..., C, n]`, the way the kernel does it.
+
+    The rows are taken `block` at a time (block a = rows a*block .. a*block + block - 1): with X_a the inverse
+    of the diagonal block I + L_aa (`diagonal_block_inverse`),
+
+        R_a = X_a (B_a - sum_{c < a} L_ac R_c),
+
+    so the only inverses formed are the C / block small ones; the blocks below the diagonal are used as they
+    are. C must be a multiple of `block`.
     """
     C = L.shape[-1]
-    i = torch.arange(C, device=L.device)
-    same = (i // block)[:, None] == (i // block)[None, :]
-    eye = torch.eye(C, dtype=L.dtype, device=L.device)
-    P = -torch.where(same, L, 0)
-    D = eye + P  # (I - Ld)
-    for _ in range(int(math.log2(block)) - 1):
-        P = P @ P  # Ld^2, Ld^4, ... (even powers: the sign is +)
-        D = D + D @ P  # D (I + P)
-    N = D @ torch.where(same, 0, L)
-    series, term = eye.clone(), eye.clone()
-    for _ in range(C // block - 1):
-        term = -term @ N
-        series = series + term
-    return series @ D
+    if C % block:
+        raise ValueError(f"the chunk ({C} rows) must be a whole number of blocks of {block}")
+    rows = []
+    for a in range(C // block):
+        sl = slice(a * block, (a + 1) * block)
+        rhs = B[..., sl, :]
+        for c in range(a):
+            rhs = rhs - L[..., sl, c * block : (c + 1) * block] @ rows[c]
+        rows.append(diagonal_block_inverse(L[..., sl, sl]) @ rhs)
+    return torch.cat(rows, dim=-2)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # What the design moves and computes, per token and value head
 
+L2_REREAD = "prepare re-reads k, g in pass 2 (assumed from L2)"
+
 
 def design_traffic(K: int, V: int, C: int = CHUNK, in_bytes: int = 2, mid_bytes: int = 2) -> dict[str, float]:
-    """Bytes per token and value head that the two kernels move through memory (each tensor once).
+    """Bytes per token and value head that the two kernels move (each tensor once through memory).
 
     `in_bytes`: element size of q, k, v, beta and o (2 for bfloat16); g is float32. `mid_bytes`: element size
-    of the intermediates w, qg, kd, u, Aqk. exp(gc_C) is float32, K numbers per chunk. The float32 scratch L
-    (C numbers per row, written and read back by the same program) is listed apart: it may stay in cache.
+    of the intermediates w, qg, kd (K columns), u (V columns) and Aqk (C columns; the kernel writes only the
+    blocks on and below the diagonal, the scan reads the whole row: counted as C both ways). exp(gc_C) is
+    float32, K numbers per chunk. The prepare kernel reads k and g a second time in pass 2; the same program
+    read them moments before, so the second read is assumed to hit the L2 cache: it is listed under
+    `L2_REREAD` and left out of `memory_bytes`.
     """
-    inputs = in_bytes * (2 * K + V + 1) + 4 * K
     between = mid_bytes * (3 * K + V + C) + 4 * K / C
     return {
-        "prepare reads the inputs": inputs,
-        "prepare writes w, qg, kd, u, Aqk, exp(gc_C)": between,
+        "prepare reads q, k, v, g, beta": in_bytes * (2 * K + V + 1) + 4 * K,
+        L2_REREAD: in_bytes * K + 4 * K,
+        "prepare writes w, u, qg, kd, Aqk, exp(gc_C)": between,
         "scan reads them back": between,
         "scan writes o": in_bytes * V,
-        "scratch L, written and read (float32)": 2 * 4 * C,
     }
+
+
+def memory_bytes(traffic: dict[str, float]) -> float:
+    """The bytes of `design_traffic` that go through device memory: everything but the L2 re-read."""
+    return sum(v for name, v in traffic.items() if name != L2_REREAD)
 
 
 def floor_bytes(K: int, V: int, in_bytes: int = 2) -> int:
@@ -164,16 +197,14 @@ def floor_bytes(K: int, V: int, in_bytes: int = 2) -> int:
 
 def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, float]:
     """FLOPs per token and value head of the two kernels, by phase (2 FLOPs per multiply-add)."""
-    nb = C // sub
-    pairs = (
-        nb * (nb + 1) // 2
-    )  # blocks (a, c) with c <= a, each two products (A and Aqk) of [sub, K] x [K, sub]
-    # (I + Ld)^-1: log2(sub) - 1 squarings, each with one update; N, its powers up to N^(nb-1), the final product
-    products = 2 * (int(math.log2(sub)) - 1) + nb  # ten for C = 64, sub = 16
+    nb = C // sub  # blocks of rows per chunk
+    pairs = nb * (nb + 1) // 2  # blocks (a, c) with c <= a: A and Aqk each, [sub, K] x [K, sub]
+    squarings = max(0, math.ceil(math.log2(sub)) - 1)  # each followed by one update: 2 products
     return {
         "prepare: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
-        "prepare: inverse X (C x C products)": products * 2 * C**3 / C,
-        "prepare: w = X (..), u = X (..)": 2 * C * (K + V),
+        "prepare: diagonal block inverses": nb * 2 * squarings * 2 * sub**3 / C,
+        # per column: block a costs a products L_ac R_c and one X_a (..): nb (nb + 1) / 2 products [sub, sub]
+        "prepare: w, u by block substitution": pairs * 2 * sub * sub * (K + V) / C,
         "scan: w S, qg S, kd^T U": 3 * 2 * K * V,
         "scan: Aqk U": 2 * C * V,
     }

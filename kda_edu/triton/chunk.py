@@ -1,52 +1,52 @@
 """Chunked KDA forward in Triton: one kernel parallel over chunks, one sequential over them.
 
 This is `kda_edu.kda.kda_chunked` (read its docstring first: the notation below is the same) turned into two
-kernels that keep every intermediate small.
+kernels whose tiles stay small.
 
-Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, batch, value head), all chunks at once:
-    gate cumsum gc, the matrices A (keys against keys) and Aqk (queries against keys), the inverse
-    X = (I + A)^-1 of the unit lower-triangular system (the UT transform), then
-    w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V, and the two decayed copies the scan needs,
-    qg = scale Q * exp(gc) and kd = K * exp(gc_C - gc). Nothing here depends on the state, so every
-    chunk runs in parallel.
-Kernel 2, `_chunk_scan_kernel`, one program per (value block, batch, value head), chunk after chunk:
+Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, value head), all chunks at once. The chunk's 64
+rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in registers:
+    pass 1, KC key columns at a time: the blocks of A (keys against keys) and Aqk (queries against keys)
+        on and below the diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk);
+    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A;
+    pass 2: w = (I + L)^-1 Diag(beta) (K * exp(gc)) by block forward substitution (the UT transform, 16 rows
+        at a time: r_a = (I + L_aa)^-1 (b_a - sum_{c < a} L_ac r_c)), kd = K * exp(gc_C - gc), exp(gc_C);
+    pass 3: u = (I + L)^-1 Diag(beta) V the same way.
+    Nothing here depends on the state, so every chunk runs in parallel.
+Kernel 2, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
     with the state S (K x BV, float32, in registers for the whole sequence)
         U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
     three matrix products against S and one against U per chunk: the only sequential work left.
 
 Between the two kernels go w, qg, kd, u, Aqk and exp(gc_C): about (3K + V + C) numbers per step and head,
-stored in the input's 16-bit dtype (float32 for float32 inputs).
+stored in the input's 16-bit dtype (float32 for float32 inputs). Their layout is [HV, chunk, row, column]:
+chunks are numbered over all sequences, so a packed batch (`cu_seqlens`) only changes which token a chunk
+starts at; a chunk never straddles two sequences.
 
-Overflow, and why the chunk is cut into sub-chunks of 16 rows. The decay between steps j <= i of a chunk is
+Overflow, and why the chunk is cut into blocks of 16 rows. The decay between steps j <= i of a chunk is
 exp(gc_i - gc_j) <= 1, but a matrix product needs it split into a row factor times a column factor. Split at
 the chunk start, exp(gc_i) * exp(-gc_j), the column factor reaches exp(64 * 5) = exp(320) for 64 steps of
-gates at -5: float32 overflows past exp(88.7). So the rows of a chunk are taken 16 at a time (block a, rows
-16a .. 16a + 15) and every split is anchored where both factors stay bounded:
+gates at -5: float32 overflows past exp(88.7). So every split is anchored where both factors stay bounded:
   * block (a, c) left of the diagonal (j in block c < a): anchor at the end boundary e_c of block c. Row
     factor exp(gc_i - e_c) <= 1 (i comes after the boundary), column factor exp(e_c - gc_j) <= 1 (j before
-    it). Both exponents are <= 0 whatever the gates, and both are gate sums over a few sub-chunks computed
+    it). Both exponents are <= 0 whatever the gates, and both are gate sums over a few blocks computed
     from per-block cumsums, so their rounding stays small; a factor that underflows to 0 only drops a
     product that is smaller still.
-  * columns inside the block (the 16 x 16 diagonal block): anchor at the block's middle row m = 16a + 8.
-    Each factor's exponent is bounded by the gate sum over at most 8 steps: |exponent| <= 8 * 5 / ln 2 = 58
-    (in powers of two) for gates down to -5, far inside float32's range (2^-126 .. 2^127). For gates so large
-    that the half-block sum passes 96 powers of two (about -8.3 per step) the kernel switches, for that block
-    only, to the exact pairwise form: one column at a time, exp(gc_i - gc_j) with the exponent clipped at 0.
-    Realistic gates never take that branch; it is there so that no input produces inf or NaN.
+  * the 16 x 16 diagonal blocks: anchor at the block's middle row m. Each factor's exponent is bounded by
+    the gate sum over at most 8 steps: |exponent| <= 8 * 5 / ln 2 = 58 (in powers of two) for gates down to
+    -5, far inside float32's range (2^-126 .. 2^127). For gates so large that the half-block sum passes 96
+    powers of two (about -8.3 per step) the kernel switches, for that block only, to the exact pairwise form:
+    one column at a time, exp(gc_i - gc_j) with the exponent clipped at 0. Realistic gates never take that
+    branch; it is there so that no input produces inf or NaN.
 All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 
-The triangular inverse. L = Diag(beta) A is strictly lower triangular; its blocks go through a float32
-scratch buffer so that the whole 64 x 64 matrix can be read back as one tile. Split it into the diagonal
-blocks Ld and the rest Lo: I + L = (I + Ld)(I + N) with N = (I + Ld)^-1 Lo. Each 16 x 16 block of Ld is
-nilpotent (Ld^16 = 0), so (I + Ld)^-1 = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8); N is zero on and above the
-diagonal blocks, so N^4 = 0 and (I + N)^-1 = I - N + N^2 - N^3. Ten 64 x 64 products, no loop.
+Why blocks of 16 and not whole-chunk tiles (bench/NOTES.md has the history): a 64 x 64 float32 tile costs 32
+registers a thread at 4 warps, and the whole-chunk inverse needs several alive at once; the earlier designs
+needed 255 registers and spilled. The 16 x 16 blocks cost many small products instead: speed now depends on
+how well those are scheduled (NOTES.md: v6 is 1.3x fla's time at (1, 8192, 32), down from 3.1x).
 
-Speed: correct, but about 3x slower than fla's chunk_kda on an H200 (bench/NOTES.md): the prepare kernel
-needs all 255 registers and spills. Splitting it into a kernel per block row and one per chunk is next.
-
-Precision: gates, decays, A, X and the state are float32. With 16-bit inputs the matrix products inside the
-chunk use tf32 (float32 range, which the anchored factors need), the products against the state use the
-16-bit dtype with float32 accumulation. With float32 inputs every product is exact float32 ("ieee").
+Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
+inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state
+use the 16-bit dtype with float32 accumulation. With float32 inputs every product is exact float32 ("ieee").
 Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
 """
 
@@ -66,10 +66,121 @@ _DIAG_LIMIT = tl.constexpr(96.0)
 
 
 @triton.jit
-def _load_rows(ptr, t, row_stride, cols, n_cols, T):
-    """Load a [len(t), len(cols)] tile whose row for step t starts at ptr + t * row_stride; zeros outside."""
-    mask = (t[:, None] < T) & (cols[None, :] < n_cols)
-    return tl.load(ptr + t[:, None].to(tl.int64) * row_stride + cols[None, :], mask=mask, other=0.0)
+def _load_rows(ptr, t, row_stride, cols, n_cols, t_end):
+    """Load a [len(t), len(cols)] tile whose row t starts at ptr + t * row_stride, zeros at t >= t_end.
+
+    The kernels pass chunk-local rows t (int32) and a pointer already moved to the chunk's first token, so
+    the per-element offsets stay 32-bit (64-bit offsets cost two registers per element)."""
+    mask = (t[:, None] < t_end) & (cols[None, :] < n_cols)
+    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token of chunk i_c and the end (exclusive) of its sequence, in tokens of the flattened [B * T]."""
+    if IS_VARLEN:
+        t0 = tl.load(chunks + 2 * i_c).to(tl.int64)
+        t_end = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    else:
+        i_b = (i_c // NT).to(tl.int64)
+        t0 = i_b * T + (i_c % NT) * BT
+        t_end = i_b * T + T
+    return t0, t_end
+
+
+@triton.jit
+def _unit_lower_inverse(L, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block: L^16 = 0, so the Neumann series
+    I - L + L^2 - ... - L^15 is exact and factors as (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    r = tl.arange(0, BC)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - L
+    P = L
+    for _ in tl.static_range(3):
+        P = tl.dot(P, P, input_precision=PREC)  # L^2, L^4, L^8
+        X += tl.dot(X, P, input_precision=PREC)
+    return X
+
+
+@triton.jit
+def _diag_span(gc_a, BC: tl.constexpr):
+    """Largest half-block gate sum (base 2) of a 16-row block: decides if the middle anchor is safe."""
+    rc = tl.arange(0, BC)
+    mid = tl.sum(tl.where((rc == BC // 2)[:, None], gc_a, 0.0), axis=0)
+    first = tl.sum(tl.where((rc == 0)[:, None], gc_a, 0.0), axis=0)
+    last = tl.sum(tl.where((rc == BC - 1)[:, None], gc_a, 0.0), axis=0)
+    span = tl.maximum(tl.max(first - mid, axis=0), tl.max(mid - last, axis=0))
+    return mid, span
+
+
+@triton.jit
+def _diag_gram(a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """M_ij = sum_c a_ic b_jc 2^(gc_ic - gc_jc) for one 16 x 16 diagonal block (entries j > i are junk)."""
+    mid, span = _diag_span(gc_a, BC)
+    if span <= _DIAG_LIMIT:
+        M = tl.dot(a_a * tl.exp2(gc_a - mid[None, :]), tl.trans(b_a * tl.exp2(mid[None, :] - gc_a)),
+                   input_precision=PREC)  # fmt: skip
+    else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
+        rc = tl.arange(0, BC)
+        M = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            b_j = tl.sum(tl.where(pick, b_a, 0.0), axis=0)
+            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0))
+            M = tl.where(rc[None, :] == j, tl.sum(a_a * b_j[None, :] * e, axis=1)[:, None], M)
+    return M
+
+
+@triton.jit
+def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """`_diag_gram` of (k_a, k_a) and (q_a, k_a) together: one span test, one pairwise loop."""
+    mid, span = _diag_span(gc_a, BC)
+    if span <= _DIAG_LIMIT:
+        col = tl.trans(k_a * tl.exp2(mid[None, :] - gc_a))
+        row_f = tl.exp2(gc_a - mid[None, :])
+        Mk = tl.dot(k_a * row_f, col, input_precision=PREC)
+        Mq = tl.dot(q_a * row_f, col, input_precision=PREC)
+    else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
+        rc = tl.arange(0, BC)
+        Mk = tl.zeros([BC, BC], dtype=tl.float32)
+        Mq = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
+            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+            Mk = tl.where(rc[None, :] == j, tl.sum(k_a * e, axis=1)[:, None], Mk)
+            Mq = tl.where(rc[None, :] == j, tl.sum(q_a * e, axis=1)[:, None], Mq)
+    return Mk, Mq
+
+
+@triton.jit
+def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
+    """One off-diagonal block pair: (k_a, q_a) rows scaled by 2^exponent (<= 0) against col^T."""
+    row_f = tl.exp2(exponent)
+    return (
+        tl.dot(k_a * row_f, tl.trans(col), input_precision=PREC),
+        tl.dot(q_a * row_f, tl.trans(col), input_precision=PREC),
+    )
+
+
+@triton.jit
+def _solve(b0, b1, b2, b3, x0, x1, x2, x3, l10, l20, l21, l30, l31, l32, PREC: tl.constexpr):
+    """Block forward substitution: rows of (I + L)^-1 B, 16 at a time; x_a = (I + L_aa)^-1."""
+    r0 = tl.dot(x0, b0, input_precision=PREC)
+    r1 = tl.dot(x1, b1 - tl.dot(l10, r0, input_precision=PREC), input_precision=PREC)
+    r2 = b2 - tl.dot(l20, r0, input_precision=PREC) - tl.dot(l21, r1, input_precision=PREC)
+    r2 = tl.dot(x2, r2, input_precision=PREC)
+    r3 = b3 - tl.dot(l30, r0, input_precision=PREC) - tl.dot(l31, r1, input_precision=PREC)
+    r3 = tl.dot(x3, r3 - tl.dot(l32, r2, input_precision=PREC), input_precision=PREC)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
+    """Store a [BC, len(cols)] tile as rows row0 + a * BC ... of a buffer with n_cols columns."""
+    r = (row0 + a * BC + tl.arange(0, BC)).to(tl.int64)
+    tl.store(ptr + r[:, None] * n_cols + cols[None, :], x.to(ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -78,149 +189,175 @@ def _chunk_prepare_kernel(
     k,
     v,
     g,
-    beta,  # inputs, [B, T, H, K] / [B, T, HV, V] / [B, T, HV, K] / [B, T, HV], contiguous
+    beta,  # inputs [B, T, H, K] / [B, T, HV, V] / [B, T, HV, K] / [B, T, HV], contiguous
     w,
     u,
     qg,
     kd,
     aqk,
-    gl,
-    lmat,  # outputs [B*HV, NT*BT, BK|BV|BK|BK|BT] and [B*HV, NT, BK]; lmat: float32 scratch [B*HV, NT*BT, BT]
+    gl,  # outputs [HV, NCH * BT, BK | BV | BK | BK | BT] and [HV, NCH, BK]
+    chunks,  # varlen only: int32 [NCH, 2] (first token, end of its sequence)
     T,
     H,
     HV,
     K,
     V,
+    NT,
+    NCH,
     scale,
     BT: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    KC: tl.constexpr,
+    VC: tl.constexpr,
     PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    NB: tl.constexpr = BT // BC
+    """One program per (chunk, value head): everything of the chunk that does not depend on the state.
+
+    The chunk's 64 rows are four blocks of 16 (0..3); every matrix is kept as 16 x 16 blocks in registers.
+    Pass 1 (KC key columns at a time): the blocks of A and Aqk, and qg. Then the inverses of the diagonal
+    blocks of I + L. Pass 2: w and kd by block forward substitution; pass 3: u the same way.
+    """
+    tl.static_assert(BT == 4 * BC)
     LOG2E: tl.constexpr = 1.4426950408889634
-
-    t0 = i_n * BT
-    rows = tl.arange(0, BT)
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)  # valid rows of this chunk (64 except at a sequence's end)
+    q_h = q + t0 * H * K + i_h * K  # row t of the chunk in q / k is at q_h + t * H * K
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    v_h = v + t0 * HV * V + i_hv * V
+    b_h = beta + t0 * HV + i_hv
     rc = tl.arange(0, BC)
-    ck = tl.arange(0, BK)
+    t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
+    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT  # first row of this chunk in the intermediates
 
-    # Base pointers of this (batch, head): row t of q/k is at q_bh + t * H * K, and so on.
-    q_bh = q + (i_b * T * H + i_h).to(tl.int64) * K
-    k_bh = k + (i_b * T * H + i_h).to(tl.int64) * K
-    v_bh = v + (i_b * T * HV + i_hv).to(tl.int64) * V
-    g_bh = g + (i_b * T * HV + i_hv).to(tl.int64) * K
-    b_bh = beta + (i_b * T * HV + i_hv).to(tl.int64)
+    # Pass 1: A_ac and Aqk_ac (a >= c) accumulated over key columns. Block pair (a, c < a) is anchored at
+    # the end boundary e_c of block c: row factor 2^(gc_i - e_c) = 2^(loc_i + gates of the blocks between),
+    # column factor 2^(e_c - gc_j) = 2^(tot_c - loc_j); both exponents <= 0 whatever the gates.
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
+    q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
+    a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
+    for kc in range(0, BK, KC):
+        cols = kc + tl.arange(0, KC)
+        k0 = _load_rows(k_h, t_0, H * K, cols, K, n_t).to(tl.float32)
+        k1 = _load_rows(k_h, t_1, H * K, cols, K, n_t).to(tl.float32)
+        k2 = _load_rows(k_h, t_2, H * K, cols, K, n_t).to(tl.float32)
+        k3 = _load_rows(k_h, t_3, H * K, cols, K, n_t).to(tl.float32)
+        l0 = tl.cumsum(_load_rows(g_h, t_0, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        l1 = tl.cumsum(_load_rows(g_h, t_1, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        l2 = tl.cumsum(_load_rows(g_h, t_2, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        l3 = tl.cumsum(_load_rows(g_h, t_3, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        s0 = tl.sum(tl.where((rc == BC - 1)[:, None], l0, 0.0), axis=0)[None, :]  # block gate sums
+        s1 = tl.sum(tl.where((rc == BC - 1)[:, None], l1, 0.0), axis=0)[None, :]
+        s2 = tl.sum(tl.where((rc == BC - 1)[:, None], l2, 0.0), axis=0)[None, :]
+        c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
 
-    t_all = t0 + rows
-    beta_all = tl.load(b_bh + t_all.to(tl.int64) * HV, mask=t_all < T, other=0.0).to(tl.float32)
+        q0 = _load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
+        q1 = _load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k1, q1, l1, c0, PREC)
+        a10, q10 = a10 + x, q10 + y
+        q2 = _load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k2, q2, l2 + s1, c0, PREC)
+        a20, q20 = a20 + x, q20 + y
+        x, y = _pair(k2, q2, l2, c1, PREC)
+        a21, q21 = a21 + x, q21 + y
+        q3 = _load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
+        a30, q30 = a30 + x, q30 + y
+        x, y = _pair(k3, q3, l3 + s2, c1, PREC)
+        a31, q31 = a31 + x, q31 + y
+        x, y = _pair(k3, q3, l3, c2, PREC)
+        a32, q32 = a32 + x, q32 + y
+        x, y = _diag_grams(k0, q0, l0, BC, PREC)
+        a00, q00 = a00 + x, q00 + y
+        x, y = _diag_grams(k1, q1, l1, BC, PREC)
+        a11, q11 = a11 + x, q11 + y
+        x, y = _diag_grams(k2, q2, l2, BC, PREC)
+        a22, q22 = a22 + x, q22 + y
+        x, y = _diag_grams(k3, q3, l3, BC, PREC)
+        a33, q33 = a33 + x, q33 + y
+        # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
+        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
 
-    # X = (I + A)^-1, built block row by block row; rows not yet built are zero.
-    # Phase 1: the 16 x 16 blocks of L = Diag(beta) A and of Aqk, written to the float32 scratch `lmat` and
-    # to `aqk` (the blocks above the diagonal are never written: readers mask them). Every exponent is a
-    # gate sum inside one or a few sub-chunks, so it is small and its rounding too.
-    out_t = (i_bh * (tl.num_programs(0) * BT) + t_all).to(tl.int64)
-    for a in tl.static_range(NB):
-        ta = t0 + a * BC + rc
-        k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
-        q_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
-        g_a = _load_rows(g_bh, ta, HV * K, ck, K, T).to(tl.float32) * LOG2E
-        beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
-        loc_a = tl.cumsum(g_a, axis=0)  # gc_i minus gc at the block's start boundary: <= 0
-        row_off = (i_bh * (tl.num_programs(0) * BT) + t0 + a * BC + rc).to(tl.int64)[:, None] * BT
+    # Aqk: lower triangle of each diagonal block; the blocks above the diagonal are never written.
+    lower_eq = rc[:, None] >= rc[None, :]
+    cc = tl.arange(0, BC)
+    _store_block(aqk, row0, 0, BC, BT, cc, tl.where(lower_eq, q00, 0.0))
+    _store_block(aqk, row0, 1, BC, BT, cc, q10)
+    _store_block(aqk, row0, 1, BC, BT, BC + cc, tl.where(lower_eq, q11, 0.0))
+    _store_block(aqk, row0, 2, BC, BT, cc, q20)
+    _store_block(aqk, row0, 2, BC, BT, BC + cc, q21)
+    _store_block(aqk, row0, 2, BC, BT, 2 * BC + cc, tl.where(lower_eq, q22, 0.0))
+    _store_block(aqk, row0, 3, BC, BT, cc, q30)
+    _store_block(aqk, row0, 3, BC, BT, BC + cc, q31)
+    _store_block(aqk, row0, 3, BC, BT, 2 * BC + cc, q32)
+    _store_block(aqk, row0, 3, BC, BT, 3 * BC + cc, tl.where(lower_eq, q33, 0.0))
 
-        # Blocks left of the diagonal, c = a-1 down to 0, anchored at the end boundary e_c of block c:
-        # row factor exp(gc_i - e_c) = exp(loc_i + gap) <= 1 with gap the gate sum of the blocks between,
-        # column factor exp(e_c - gc_j) = exp(sum of block c's gates after j) <= 1.
-        gap = tl.zeros([BK], dtype=tl.float32)
-        for cc in tl.static_range(a):
-            c = a - 1 - cc
-            tc = t0 + c * BC + rc
-            k_c = _load_rows(k_bh, tc, H * K, ck, K, T).to(tl.float32)
-            g_c = _load_rows(g_bh, tc, HV * K, ck, K, T).to(tl.float32) * LOG2E
-            tot_c = tl.sum(g_c, axis=0)
-            col = k_c * tl.exp2(tot_c[None, :] - tl.cumsum(g_c, axis=0))
-            row_f = tl.exp2(loc_a + gap[None, :])
-            a_ac = tl.dot(k_a * row_f, tl.trans(col), input_precision=PREC)
-            aqk_ac = tl.dot(q_a * row_f, tl.trans(col), input_precision=PREC)
-            tl.store(lmat + row_off + c * BC + rc[None, :], beta_a[:, None] * a_ac)
-            tl.store(aqk + row_off + c * BC + rc[None, :], aqk_ac.to(aqk.dtype.element_ty))
-            gap += tot_c
+    # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
+    b0 = tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None]
+    b1 = tl.load(b_h + t_1 * HV, mask=t_1 < n_t, other=0.0).to(tl.float32)[:, None]
+    b2 = tl.load(b_h + t_2 * HV, mask=t_2 < n_t, other=0.0).to(tl.float32)[:, None]
+    b3 = tl.load(b_h + t_3 * HV, mask=t_3 < n_t, other=0.0).to(tl.float32)[:, None]
+    strict = rc[:, None] > rc[None, :]
+    x0 = _unit_lower_inverse(tl.where(strict, b0 * a00, 0.0), BC, PREC)
+    x1 = _unit_lower_inverse(tl.where(strict, b1 * a11, 0.0), BC, PREC)
+    x2 = _unit_lower_inverse(tl.where(strict, b2 * a22, 0.0), BC, PREC)
+    x3 = _unit_lower_inverse(tl.where(strict, b3 * a33, 0.0), BC, PREC)
+    a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
 
-        # The diagonal block, anchored at its middle row m unless a half-block gate sum is too large.
-        mid = tl.sum(tl.where((rc == BC // 2)[:, None], loc_a, 0.0), axis=0)
-        first = tl.sum(tl.where((rc == 0)[:, None], loc_a, 0.0), axis=0)
-        last = tl.sum(g_a, axis=0)
-        span = tl.maximum(tl.max(first - mid, axis=0), tl.max(mid - last, axis=0))
-        if span <= _DIAG_LIMIT:
-            diag_row = tl.exp2(loc_a - mid[None, :])
-            diag_col = k_a * tl.exp2(mid[None, :] - loc_a)
-            a_dd = tl.dot(k_a * diag_row, tl.trans(diag_col), input_precision=PREC)
-            aqk_dd = tl.dot(q_a * diag_row, tl.trans(diag_col), input_precision=PREC)
-        else:
-            a_dd = tl.zeros([BC, BC], dtype=tl.float32)
-            aqk_dd = tl.zeros([BC, BC], dtype=tl.float32)
-            for j in range(BC):
-                pick = (rc == j)[:, None]
-                k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
-                loc_j = tl.sum(tl.where(pick, loc_a, 0.0), axis=0)
-                decay = tl.exp2(tl.minimum(loc_a - loc_j[None, :], 0.0)) * k_j[None, :]  # i < j: masked below
-                a_dd = tl.where(rc[None, :] == j, tl.sum(k_a * decay, axis=1)[:, None], a_dd)
-                aqk_dd = tl.where(rc[None, :] == j, tl.sum(q_a * decay, axis=1)[:, None], aqk_dd)
-        a_dd = tl.where(rc[:, None] > rc[None, :], beta_a[:, None] * a_dd, 0.0)
-        aqk_dd = tl.where(rc[:, None] >= rc[None, :], aqk_dd, 0.0)
-        tl.store(lmat + row_off + a * BC + rc[None, :], a_dd)
-        tl.store(aqk + row_off + a * BC + rc[None, :], aqk_dd.to(aqk.dtype.element_ty))
+    # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
+    for kc in range(0, BK, KC):
+        cols = kc + tl.arange(0, KC)
+        k0 = _load_rows(k_h, t_0, H * K, cols, K, n_t).to(tl.float32)
+        k1 = _load_rows(k_h, t_1, H * K, cols, K, n_t).to(tl.float32)
+        k2 = _load_rows(k_h, t_2, H * K, cols, K, n_t).to(tl.float32)
+        k3 = _load_rows(k_h, t_3, H * K, cols, K, n_t).to(tl.float32)
+        l0 = tl.cumsum(_load_rows(g_h, t_0, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        l1 = tl.cumsum(_load_rows(g_h, t_1, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        l2 = tl.cumsum(_load_rows(g_h, t_2, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        l3 = tl.cumsum(_load_rows(g_h, t_3, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+        s0 = tl.sum(tl.where((rc == BC - 1)[:, None], l0, 0.0), axis=0)[None, :]
+        s1 = tl.sum(tl.where((rc == BC - 1)[:, None], l1, 0.0), axis=0)[None, :]
+        s2 = tl.sum(tl.where((rc == BC - 1)[:, None], l2, 0.0), axis=0)[None, :]
+        s3 = tl.sum(tl.where((rc == BC - 1)[:, None], l3, 0.0), axis=0)[None, :]
+        r0, r1, r2, r3 = _solve(
+            b0 * k0 * tl.exp2(l0), b1 * k1 * tl.exp2(l1 + s0), b2 * k2 * tl.exp2(l2 + s0 + s1),
+            b3 * k3 * tl.exp2(l3 + s0 + s1 + s2), x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+        )  # fmt: skip
+        _store_block(w, row0, 0, BC, BK, cols, r0)
+        _store_block(w, row0, 1, BC, BK, cols, r1)
+        _store_block(w, row0, 2, BC, BK, cols, r2)
+        _store_block(w, row0, 3, BC, BK, cols, r3)
+        # gc_C - gc_j for j in block a = (s_a - loc_j) + the gate sums of the blocks after a: <= 0.
+        _store_block(kd, row0, 0, BC, BK, cols, k0 * tl.exp2(s0 - l0 + s1 + s2 + s3))
+        _store_block(kd, row0, 1, BC, BK, cols, k1 * tl.exp2(s1 - l1 + s2 + s3))
+        _store_block(kd, row0, 2, BC, BK, cols, k2 * tl.exp2(s2 - l2 + s3))
+        _store_block(kd, row0, 3, BC, BK, cols, k3 * tl.exp2(s3 - l3))
+        tl.store(gl + row0 // BT * BK + cols[None, :], tl.exp2(s0 + s1 + s2 + s3))
 
-    # Phase 2: X = (I + L)^-1 with whole-chunk products. Split L into its diagonal blocks Ld and the part
-    # below them Lo: I + L = (I + Ld)(I + N) with N = (I + Ld)^-1 Lo. Each 16 x 16 block of Ld is nilpotent
-    # of order 16, so (I + Ld)^-1 = (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8); N is zero on and above the
-    # diagonal blocks, so N^4 = 0 and (I + N)^-1 = I - N + N^2 - N^3. Ten 64 x 64 products, no loop.
-    tl.debug_barrier()  # phase 1's rows of lmat were written by other threads of this program
-    lm = tl.load(lmat + out_t[:, None] * BT + rows[None, :])
-    lm = tl.where(rows[:, None] > rows[None, :], lm, 0.0)  # strictly lower; the rest was never written
-    same_block = (rows // BC)[:, None] == (rows // BC)[None, :]
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    P = -tl.where(same_block, lm, 0.0)
-    D = eye + P
-    for _ in tl.static_range(3):
-        P = tl.dot(P, P, input_precision=PREC)
-        D = D + tl.dot(D, P, input_precision=PREC)
-    N = tl.dot(D, tl.where(same_block, 0.0, lm), input_precision=PREC)
-    N2 = tl.dot(N, N, input_precision=PREC)
-    X = tl.dot(eye - N + N2 - tl.dot(N, N2, input_precision=PREC), D, input_precision=PREC)
-
-    # Phase 3, 64 key (then value) columns at a time to keep the tiles small: gc (gate cumsum over the
-    # whole chunk, non-increasing), w = X Diag(beta) (K * exp(gc)), qg, kd and exp(gc_C); u = X Diag(beta) V.
-    # Intermediates are padded to whole chunks and BK / BV columns: no masks needed.
-    xb = X * beta_all[None, :]
-    KC: tl.constexpr = 64 if BK > 64 else BK
-    VC: tl.constexpr = 64 if BV > 64 else BV
-    for kc in tl.static_range(BK // KC):
-        cols = kc * KC + tl.arange(0, KC)
-        k_c = _load_rows(k_bh, t_all, H * K, cols, K, T).to(tl.float32)
-        g_c = _load_rows(g_bh, t_all, HV * K, cols, K, T).to(tl.float32) * LOG2E
-        gc = tl.cumsum(g_c, axis=0)
-        gc_end = tl.sum(g_c, axis=0)  # gc at the chunk's last step (padded steps have g = 0)
-        w_c = tl.dot(xb, k_c * tl.exp2(gc), input_precision=PREC)
-        tl.store(w + out_t[:, None] * BK + cols[None, :], w_c.to(w.dtype.element_ty))
-        tl.store(
-            kd + out_t[:, None] * BK + cols[None, :],
-            (k_c * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
-        )
-        q_c = _load_rows(q_bh, t_all, H * K, cols, K, T).to(tl.float32) * scale
-        tl.store(qg + out_t[:, None] * BK + cols[None, :], (q_c * tl.exp2(gc)).to(qg.dtype.element_ty))
-        tl.store(gl + (i_bh * tl.num_programs(0) + i_n).to(tl.int64) * BK + cols, tl.exp2(gc_end))
-    for vc in tl.static_range(BV // VC):
-        cols = vc * VC + tl.arange(0, VC)
-        u_c = tl.dot(xb, _load_rows(v_bh, t_all, HV * V, cols, V, T).to(tl.float32), input_precision=PREC)
-        tl.store(u + out_t[:, None] * BV + cols[None, :], u_c.to(u.dtype.element_ty))
+    # Pass 3: u = (I + L)^-1 Diag(beta) V.
+    for vc in range(0, BV, VC):
+        cols = vc + tl.arange(0, VC)
+        r0, r1, r2, r3 = _solve(
+            b0 * _load_rows(v_h, t_0, HV * V, cols, V, n_t).to(tl.float32),
+            b1 * _load_rows(v_h, t_1, HV * V, cols, V, n_t).to(tl.float32),
+            b2 * _load_rows(v_h, t_2, HV * V, cols, V, n_t).to(tl.float32),
+            b3 * _load_rows(v_h, t_3, HV * V, cols, V, n_t).to(tl.float32),
+            x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+        )  # fmt: skip
+        _store_block(u, row0, 0, BC, BV, cols, r0)
+        _store_block(u, row0, 1, BC, BV, cols, r1)
+        _store_block(u, row0, 2, BC, BV, cols, r2)
+        _store_block(u, row0, 3, BC, BV, cols, r3)
 
 
 @triton.jit
@@ -230,15 +367,18 @@ def _chunk_scan_kernel(
     qg,
     kd,
     aqk,
-    gl,  # from _chunk_prepare_kernel
+    gl,  # from the two kernels above
     o,
     h0,
-    ht,  # output [B, T, HV, V]; initial / final state [B, HV, K, V] float32
+    ht,  # output [B, T, HV, V]; initial / final state [N, HV, K, V] float32
+    cu_seqlens,
+    chunk_offsets,  # varlen only: int [N + 1] token and chunk offsets of each sequence
     T,
     HV,
     K,
     V,
     NT,
+    NCH,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BVP: tl.constexpr,
@@ -246,31 +386,44 @@ def _chunk_scan_kernel(
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
+    """One program per (value block, sequence x value head): the state pass and the output, chunk after chunk."""
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+        n_chunks = tl.cdiv(eos - bos, BT)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * NT
+        n_chunks = NT
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     s_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    s_off = i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    s_off = i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         S += tl.load(h0 + s_off, mask=s_mask, other=0.0)
 
-    base = i_bh.to(tl.int64) * NT * BT
-    o_bh = o + (i_bh // HV).to(tl.int64) * T * HV * V + (i_bh % HV) * V
-    for n in range(NT):
-        t = n * BT + rows
-        r = (base + t)[:, None]
+    base = (i_hv * NCH + c0) * BT
+    o_h = o + i_hv * V
+    for n in range(n_chunks):
+        r = (base + n * BT + rows)[:, None]
         w_n = tl.load(w + r * BK + ck[None, :])
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
         a_n = tl.where(rows[:, None] >= rows[None, :], a_n, 0.0)  # blocks above the diagonal: never written
-        decay = tl.load(gl + (i_bh.to(tl.int64) * NT + n) * BK + ck)
+        decay = tl.load(gl + ((i_hv * NCH + c0 + n) * BK + ck))
 
         s_lo = S.to(w_n.dtype)
         u_n = u_n.to(tl.float32) - tl.dot(w_n, s_lo, input_precision=PREC)
@@ -278,10 +431,9 @@ def _chunk_scan_kernel(
         o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(a_n, u_lo, input_precision=PREC)
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)
 
-        o_mask = (t[:, None] < T) & (cv[None, :] < V)
-        tl.store(
-            o_bh + t[:, None].to(tl.int64) * HV * V + cv[None, :], o_n.to(o.dtype.element_ty), mask=o_mask
-        )
+        t = bos + n * BT + rows
+        o_mask = (t[:, None] < eos) & (cv[None, :] < V)
+        tl.store(o_h + t[:, None] * HV * V + cv[None, :], o_n.to(o.dtype.element_ty), mask=o_mask)
 
     if STORE_HT:
         tl.store(ht + s_off, S, mask=s_mask)
@@ -300,11 +452,12 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with Triton kernels; same contract as `kda_edu.kda.kda_chunked`.
 
-    The forward runs two kernels (below). When any input requires a gradient, the call goes through
-    `kda_edu.triton.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
+    The forward runs two kernels (module docstring). When any input requires a gradient, the call goes
+    through `kda_edu.triton.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
     beta and initial_state.
 
     Args:
@@ -314,126 +467,120 @@ def chunk_kda(
         g: log-space decay per key channel `[B, T, HV, K]`, any floating dtype, <= 0.
         beta: write strength `[B, T, HV]`, any floating dtype, in [0, 1].
         scale: query scale; `K ** -0.5` when None.
-        initial_state: optional `[B, HV, K, V]` float32; zeros when None.
-        output_final_state: also return the state after step T.
+        initial_state: optional `[B, HV, K, V]` float32 (`[N, HV, K, V]` with cu_seqlens); zeros when None.
+        output_final_state: also return the state after the last step (of each sequence).
+        cu_seqlens: optional int32/int64 `[N + 1]` cumulative sequence lengths (FlashAttention's convention)
+            for N sequences packed along T with B = 1; each sequence runs as if alone, from its own state.
 
     Returns:
-        `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` float32, or None.
+        `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` (`[N, HV, K, V]` with
+        cu_seqlens) float32, or None.
     """
-    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, check_values=False)
+    from kda_edu.triton.fused_recurrent import _check_varlen_state, _validate_cu_seqlens
+
+    B, T, H, HV, K, V = check_kda_inputs(
+        q, k, v, g, beta, initial_state if cu_seqlens is None else None, check_values=False
+    )
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"q, k, v must be bfloat16, float16 or float32 for chunk_kda, got {q.dtype}")
     if K > 256 or V > 256:
         raise ValueError(
             f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
         )
+    if cu_seqlens is not None:
+        N = _validate_cu_seqlens(cu_seqlens, B, T, q.device)
+        if initial_state is not None:
+            _check_varlen_state(initial_state, N, HV, K, V, q.device)
     h0 = initial_state.contiguous() if initial_state is not None else None
     scale = resolve_scale(scale, K)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         from kda_edu.triton.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
 
-        return ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state)
-    return _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state)
+        return ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+    return _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+
+
+def chunk_layout(T: int, B: int = 1, cu_seqlens: torch.Tensor | None = None, chunk: int = CHUNK):
+    """How the kernels cut the tokens into chunks: `(NT, NCH, chunks, offsets)`.
+
+    Without cu_seqlens: NT = chunks per sequence, NCH = B * NT chunks in all, chunk i_c covers sequence
+    i_c // NT (the kernels compute the rest). With cu_seqlens (N sequences packed along T): NCH = the sum
+    of ceil(T_n / chunk), `chunks` an int32 `[NCH, 2]` table (first token, end of its sequence) and `offsets`
+    int32 `[N + 1]`, the first chunk of each sequence; a sequence never shares a chunk with another.
+    """
+    if cu_seqlens is None:
+        NT = triton.cdiv(T, chunk)
+        return NT, B * NT, None, None
+    cu = cu_seqlens.tolist()
+    table, offsets = [], [0]
+    for bos, eos in zip(cu[:-1], cu[1:], strict=True):
+        table += [(t, eos) for t in range(bos, eos, chunk)]
+        offsets.append(len(table))
+    dev = cu_seqlens.device
+    chunks = torch.tensor(table if table else [(0, 0)], dtype=torch.int32).to(dev)
+    return 0, len(table), chunks, torch.tensor(offsets, dtype=torch.int32).to(dev)
 
 
 def _chunk_kda_fwd(
-    q, k, v, g, beta, scale, h0, output_final_state,
-    bv=None, warps_prepare=None, warps_scan=4, stages=2, prepare_only=False, info=None,
+    q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
+    bv=None, kc=None, warps_prepare=4, warps_scan=4, stages=2, stop_after=None, info=None,
 ):  # fmt: skip
     """Launch the two kernels on validated inputs.
 
-    The keywords are tuning knobs that bench/tune_chunk.py sweeps: `bv` value columns per scan program,
-    `warps_prepare` / `warps_scan` warps per program, `stages` pipeline depth of the scan loop; `prepare_only` stops
-    after the first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory
-    of both kernels.
+    The keywords after cu_seqlens are tuning knobs that bench/tune_chunk.py sweeps: `bv` value columns per
+    scan program, `kc` key (and value) columns per step of the prepare kernel's passes, `warps_*` warps per
+    program of each kernel, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the
+    first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory of each.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     interp = interpreting()
     BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
-    NT = triton.cdiv(T, BT)
+    NT, NCH, chunks, offsets = chunk_layout(T, B, cu_seqlens)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     # Intermediates: float32 for float32 inputs and under the interpreter, else the input's 16-bit dtype.
     idt = torch.float32 if (interp or q.dtype == torch.float32) else q.dtype
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
 
     dev = q.device
-    rows = B * HV * NT * BT
+    o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    rows = HV * NCH * BT
     w = torch.empty(rows, BK, device=dev, dtype=idt)
     qg = torch.empty(rows, BK, device=dev, dtype=idt)
     kd = torch.empty(rows, BK, device=dev, dtype=idt)
     u = torch.empty(rows, BVP, device=dev, dtype=idt)
     aqk = torch.empty(rows, BT, device=dev, dtype=idt)
-    gl = torch.empty(B * HV * NT, BK, device=dev, dtype=torch.float32)
-    lmat = torch.empty(rows, BT, device=dev, dtype=torch.float32)  # Diag(beta) A, read back by its writer
-    if warps_prepare is None:
-        warps_prepare = 4 if BK <= 64 else 8
-    kernel = _chunk_prepare_kernel[(NT, B * HV)](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        w,
-        u,
-        qg,
-        kd,
-        aqk,
-        gl,
-        lmat,
-        T,
-        H,
-        HV,
-        K,
-        V,
-        scale,
-        BT=BT,
-        BC=SUB,
-        BK=BK,
-        BV=BVP,
-        PREC=prec,
-        num_warps=warps_prepare,
-    )
-    if info is not None:
-        info["prepare"] = _resources(kernel)
-    if prepare_only:
-        return None, None
+    gl = torch.empty(HV * NCH, BK, device=dev, dtype=torch.float32)
+    varlen = cu_seqlens is not None
+    if NCH > 0:
+        kc = kc or min(32, BK)
+        kernel = _chunk_prepare_kernel[(NCH, HV)](
+            q, k, v, g, beta, w, u, qg, kd, aqk, gl, chunks, T, H, HV, K, V, NT, NCH, scale,
+            BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen,
+            num_warps=warps_prepare,
+        )  # fmt: skip
+        if info is not None:
+            info["prepare"] = _resources(kernel)
+        if stop_after is not None:
+            return None, None
+    if N * HV == 0 or V == 0:
+        return o, ht
 
-    o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
-    ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     if bv is None:
-        # The scan's only parallelism is (batch, value head, value block): use narrower value blocks when
+        # The scan's only parallelism is (sequence, value head, value block): use narrower value blocks when
         # there are few heads, so that the programs still cover the GPU's 100+ multiprocessors.
         bv = min(BVP, 32)
-        if not interp and B * HV * triton.cdiv(V, bv) < 128:
+        if not interp and N * HV * triton.cdiv(V, bv) < 128:
             bv = 16
     if BK * w.element_size() > 512:
         stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
-    kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), B * HV)](
-        w,
-        u,
-        qg,
-        kd,
-        aqk,
-        gl,
-        o,
-        h0,
-        ht,
-        T,
-        HV,
-        K,
-        V,
-        NT,
-        BT=BT,
-        BK=BK,
-        BVP=BVP,
-        BV=bv,
-        USE_H0=h0 is not None,
-        STORE_HT=output_final_state,
-        PREC=prec,
-        num_warps=warps_scan,
-        num_stages=stages,
-    )
+    kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
+        w, u, qg, kd, aqk, gl, o, h0, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
+        IS_VARLEN=varlen, num_warps=warps_scan, num_stages=stages,
+    )  # fmt: skip
     if info is not None:
         info["scan"] = _resources(kernel)
     return o, ht

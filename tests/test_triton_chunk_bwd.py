@@ -4,12 +4,16 @@ The target: autograd through `kda_recurrent` in float64. The first test checks t
 through `kda_chunked` (the algorithm the kernels implement), so the derivation in chunk_bwd.py's docstring is
 checked on the PyTorch level before any kernel runs. On a CPU the kernels run through Triton's interpreter in
 float32 (tiny shapes, relative RMS error <= 1e-5); on a CUDA machine the same tests run compiled, plus bf16
-(<= 1e-2) and float32 (<= 2e-3) checks at larger shapes.
+(<= 1e-2) and float32 (<= 2e-3) checks at larger shapes. The varlen tests (cu_seqlens) hold a packed row to
+the float64 loop run on each sequence alone, and to chunk_kda's own backward on each sequence alone.
 """
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_triton_varlen import LENGTHS, cu_of, per_sequence
 
 from kda_edu.kda import kda_chunked, kda_recurrent
 from kda_edu.triton import chunk_kda
@@ -18,16 +22,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
-def make_inputs(B, T, H, HV, K, V, gate=-5.0, seed=0, device=DEVICE):
+def make_inputs(B, T, H, HV, K, V, gate=-5.0, seed=0, device=DEVICE, n_states=None):
+    """Inputs, dO and dht; h0 and dht have n_states rows (one per sequence with cu_seqlens), else B."""
     gen = torch.Generator().manual_seed(seed)
+    S = B if n_states is None else n_states
     q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
     v = torch.randn(B, T, HV, V, generator=gen)
     g = gate * torch.rand(B, T, HV, K, generator=gen)
     beta = torch.rand(B, T, HV, generator=gen)
-    h0 = torch.randn(B, HV, K, V, generator=gen)
+    h0 = torch.randn(S, HV, K, V, generator=gen)
     do = torch.randn(B, T, HV, V, generator=gen)
-    dht = torch.randn(B, HV, K, V, generator=gen)
+    dht = torch.randn(S, HV, K, V, generator=gen)
     return [x.to(device) for x in (q, k, v, g, beta, h0)], do.to(device), dht.to(device)
 
 
@@ -109,6 +115,47 @@ def test_rejects_unsupported_dtype():
     inputs, _, _ = make_inputs(1, 4, 1, 1, 16, 16)
     with pytest.raises(TypeError, match="bfloat16"):
         chunk_kda(*[x.double() for x in inputs[:5]])
+
+
+VARLEN_CASES = {
+    # with_state, use_ht
+    "initial_state": (True, True),
+    "zero_state": (False, True),
+    "no_final_state": (True, False),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
+def test_varlen_gradients_match_fp64_loop_per_sequence(case):
+    """All six gradients of a packed row (lengths 1, 70, 0, 64, 5; HV = 2 H) against float64 autograd through
+    the loop on each sequence alone: no gradient crosses a sequence boundary, dh0 is per sequence."""
+    with_state, use_ht = case
+    lengths = LENGTHS[:4] if with_state else LENGTHS  # the 5-step tail once is enough (interpreter time)
+    cu = cu_of(lengths)
+    inputs, do, dht = make_inputs(1, sum(lengths), 1, 2, 16, 16, n_states=len(lengths))
+    kw = dict(with_state=with_state, use_ht=use_ht)
+    ref = grads(per_sequence(kda_recurrent, cu), inputs, do, dht, dtype=torch.float64, **kw)
+    got = grads(functools.partial(chunk_kda, cu_seqlens=cu), inputs, do, dht, **kw)
+    tol = 1e-5 if DEVICE == "cpu" else 2e-3
+    for name, x, r in zip(NAMES, got, ref, strict=False):
+        assert x.shape == r.shape and x.dtype == inputs[NAMES.index(name)].dtype, name
+        assert torch.isfinite(x).all(), name
+        assert rel_rms(x, r) <= tol, (name, rel_rms(x, r))
+    if with_state:  # the empty sequence: its final state is h0, so dh0 = dht (or 0 without a final state)
+        empty = lengths.index(0)
+        assert torch.equal(got[5][empty], dht[empty] if use_ht else torch.zeros_like(dht[empty]))
+
+
+def test_varlen_gradients_equal_separate_runs():
+    """A packed row's gradients are chunk_kda's own gradients of each sequence run alone (same chunks, same
+    kernels: bit for bit under the interpreter), with one sequence longer than two chunks."""
+    lengths = [130, 0, 7]
+    cu = cu_of(lengths, torch.int64)
+    inputs, do, dht = make_inputs(1, sum(lengths), 1, 1, 16, 16, seed=1, n_states=len(lengths))
+    ref = grads(per_sequence(chunk_kda, cu), inputs, do, dht)
+    got = grads(functools.partial(chunk_kda, cu_seqlens=cu), inputs, do, dht)
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert rel_rms(x, r) <= 1e-6, (name, rel_rms(x, r))
 
 
 GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine

@@ -38,12 +38,21 @@ The kernels, in order (all but the two passes are parallel over chunks):
        dv, the element-wise parts of dq, dk, dgc, dbeta, and the C x C matrices dA and dAqk.
     6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, then dg = reverse cumsum of dgc.
 
+Variable-length batches (`cu_seqlens`, N sequences packed along T with B = 1) use the forward's layout
+(chunk.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
+and the intermediates are indexed by chunk, [HV, NCH, ...]. The parallel kernels (1-2, 5, 6) run one program
+per (chunk, value head) and read the chunk's first token and its sequence's end from the chunk table, so they
+never see a step of another sequence. The two passes (3, 4) run one program per (value block, sequence x value
+head) over that sequence's chunks only (per-sequence chunk offsets), starting from its h0 (3) or dht (4);
+pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
+Without cu_seqlens, chunk i_c is chunk i_c % NT of batch row i_c // NT, with no table (IS_VARLEN = False).
+
 Recomputed rather than stored by the forward: everything except the inputs. The forward (chunk.py's launcher,
-untouched) saves only q, k, v, g, beta and h0. Recomputing 1-2 costs O(T C K) parallel work, about a
-forward's prepare; storing them would cost (3K + V + 2C) numbers per step and head across the whole forward
-and backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be recomputed locally: they are
-stored for the duration of the backward only, in the 16-bit input dtype (float32 for float32 inputs), the
-precision the forward itself multiplies them in.
+untouched) saves only q, k, v, g, beta, h0 and cu_seqlens. Recomputing 1-2 costs O(T C K) parallel work,
+about a forward's prepare; storing them would cost (3K + V + 2C) numbers per step and head across the whole
+forward and backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be recomputed locally:
+they are stored for the duration of the backward only, in the 16-bit input dtype (float32 for float32
+inputs), the precision the forward itself multiplies them in.
 
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
 before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use
@@ -55,66 +64,20 @@ import triton
 import triton.language as tl
 
 from kda_edu._backend import interpreting
-from kda_edu.triton.chunk import _chunk_kda_fwd
+from kda_edu.triton.chunk import (
+    _DIAG_LIMIT,
+    _chunk_kda_fwd,
+    _chunk_span,
+    _diag_gram,
+    _diag_span,
+    _load_rows,
+    _pow2,
+    _unit_lower_inverse,
+    chunk_layout,
+)
 
 CHUNK = 64  # steps per chunk in the backward (its own choice; the forward's may differ)
 SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
-_DIAG_LIMIT = tl.constexpr(96.0)  # same bound as chunk.py: anchored diagonal blocks stay in float32 range
-LOG2E = 1.4426950408889634
-
-
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
-@triton.jit
-def _load_rows(ptr, t, row_stride, cols, n_cols, T):
-    """[len(t), len(cols)] tile whose row for step t starts at ptr + t * row_stride; zeros outside."""
-    mask = (t[:, None] < T) & (cols[None, :] < n_cols)
-    return tl.load(ptr + t[:, None].to(tl.int64) * row_stride + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _unit_lower_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block: L^16 = 0, so the Neumann series
-    I - L + L^2 - ... - L^15 is exact and factors as (I - L)(I + L^2)(I + L^4)(I + L^8)."""
-    r = tl.arange(0, BC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - L
-    P = L
-    for _ in tl.static_range(3):
-        P = tl.dot(P, P, input_precision="ieee")  # L^2, L^4, L^8
-        X += tl.dot(X, P, input_precision="ieee")
-    return X
-
-
-@triton.jit
-def _diag_span(gc_a, BC: tl.constexpr):
-    """Largest half-block gate sum (base 2) of a 16-row block: decides if the middle anchor is safe."""
-    rc = tl.arange(0, BC)
-    mid = tl.sum(tl.where((rc == BC // 2)[:, None], gc_a, 0.0), axis=0)
-    first = tl.sum(tl.where((rc == 0)[:, None], gc_a, 0.0), axis=0)
-    last = tl.sum(tl.where((rc == BC - 1)[:, None], gc_a, 0.0), axis=0)
-    span = tl.maximum(tl.max(first - mid, axis=0), tl.max(mid - last, axis=0))
-    return mid, span
-
-
-@triton.jit
-def _diag_gram(a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
-    """M_ij = sum_c a_ic b_jc 2^(gc_ic - gc_jc) for one 16 x 16 diagonal block (entries j > i are junk)."""
-    mid, span = _diag_span(gc_a, BC)
-    if span <= _DIAG_LIMIT:
-        M = tl.dot(a_a * tl.exp2(gc_a - mid[None, :]), tl.trans(b_a * tl.exp2(mid[None, :] - gc_a)),
-                   input_precision=PREC)  # fmt: skip
-    else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
-        rc = tl.arange(0, BC)
-        M = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(BC):
-            pick = (rc == j)[:, None]
-            b_j = tl.sum(tl.where(pick, b_a, 0.0), axis=0)
-            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0))
-            M = tl.where(rc[None, :] == j, tl.sum(a_a * b_j[None, :] * e, axis=1)[:, None], M)
-    return M
 
 
 @triton.jit
@@ -157,42 +120,43 @@ def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr)
 @triton.jit
 def _prepare_kernel(
     q, k, v, g, beta,  # inputs as in chunk.py
-    x, w, u, qg, kd, aqk, gl,  # outputs: X [B*HV*NT*BT, BT] float32; the rest as chunk.py's prepare
-    T, H, HV, K, V, scale,
+    x, w, u, qg, kd, aqk, gl,  # outputs: X [HV * NCH * BT, BT] float32; the rest as chunk.py's prepare
+    chunks,  # varlen only: int32 [NCH, 2] (first token, end of its sequence), see chunk.py's chunk_layout
+    T, H, HV, K, V, NT, NCH, scale,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, batch, value head): A and Aqk sub-chunk by sub-chunk, X = (I + A)^-1 block row by block
-    row, then w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V, qg, kd and exp(gc_C)."""
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
+    """Per (chunk, value head): A and Aqk sub-chunk by sub-chunk, X = (I + A)^-1 block row by block row,
+    then w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V, qg, kd and exp(gc_C)."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     NB: tl.constexpr = BT // BC
     L2E: tl.constexpr = 1.4426950408889634
-    t0 = i_n * BT
+    t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)  # valid rows of this chunk (64 except at a sequence's end)
     rows = tl.arange(0, BT)
     rc = tl.arange(0, BC)
     ck = tl.arange(0, BK)
     cv = tl.arange(0, BV)
-    q_bh = q + (i_b * T * H + i_h).to(tl.int64) * K
-    k_bh = k + (i_b * T * H + i_h).to(tl.int64) * K
-    g_bh = g + (i_b * T * HV + i_hv).to(tl.int64) * K
-    b_bh = beta + (i_b * T * HV + i_hv).to(tl.int64)
+    q_h = q + t0 * H * K + i_h * K  # row t of the chunk is at q_h + t * H * K
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    b_h = beta + t0 * HV + i_hv
+    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT  # first row of this chunk in the intermediates
 
-    t_all = t0 + rows
-    out_t = (i_bh * (tl.num_programs(0) * BT) + t_all).to(tl.int64)
-    k_all = _load_rows(k_bh, t_all, H * K, ck, K, T).to(tl.float32)
-    gc = tl.cumsum(_load_rows(g_bh, t_all, HV * K, ck, K, T).to(tl.float32) * L2E, axis=0)
+    out_r = row0 + rows
+    k_all = _load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
+    gc = tl.cumsum(_load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E, axis=0)
 
     X = tl.zeros([BT, BT], dtype=tl.float32)
     start = tl.zeros([BK], dtype=tl.float32)
     for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
-        ta = t0 + a * BC + rc
-        k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
-        qs_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
-        g_a = _load_rows(g_bh, ta, HV * K, ck, K, T).to(tl.float32) * L2E
-        beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
+        ta = a * BC + rc
+        k_a = _load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
+        qs_a = _load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
+        g_a = _load_rows(g_h, ta, HV * K, ck, K, n_t).to(tl.float32) * L2E
+        beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
         gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         diag = rows[None, :] == (a * BC + rc)[:, None]  # [BC, BT]: column of row i's own step
         # Columns before the block, anchored at its start boundary: both exponents <= 0 (all zero for a = 0).
@@ -204,59 +168,77 @@ def _prepare_kernel(
         rhs = tl.where(diag, 1.0, 0.0) - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
         a_dd = tl.where(rc[:, None] > rc[None, :], _diag_gram(k_a, k_a, gc_a, BC, PREC), 0.0)
         aqk_dd = tl.where(rc[:, None] >= rc[None, :], _diag_gram(qs_a, k_a, gc_a, BC, PREC), 0.0)
-        row_off = (i_bh * (tl.num_programs(0) * BT) + t0 + a * BC + rc).to(tl.int64)[:, None] * BT
+        row_off = (row0 + a * BC + rc)[:, None] * BT
         inside = (rows >= a * BC) & (rows < (a + 1) * BC)
         tl.store(aqk + row_off + rows[None, :], aqk_off.to(aqk.dtype.element_ty), mask=(~inside)[None, :])
         tl.store(aqk + row_off + a * BC + rc[None, :], aqk_dd.to(aqk.dtype.element_ty))
-        # Block row a of X: X_a = (I + L_aa)^-1 (E_a - L_a,<a X), with L = Diag(beta) A.
-        x_a = tl.dot(_unit_lower_inverse(beta_a[:, None] * a_dd, BC), rhs, input_precision=PREC)
+        # Block row a of X: X_a = (I + L_aa)^-1 (E_a - L_a,<a X), with L = Diag(beta) A. The 16 x 16 inverse
+        # is exact float32 whatever PREC (the forward's prepare kernel uses PREC there).
+        x_a = tl.dot(_unit_lower_inverse(beta_a[:, None] * a_dd, BC, "ieee"), rhs, input_precision=PREC)
         X += _rows_of_block(x_a, a, NB, BC, BT)
         start += tl.sum(g_a, axis=0)
 
-    tl.store(x + out_t[:, None] * BT + rows[None, :], X)
-    beta_all = tl.load(b_bh + t_all.to(tl.int64) * HV, mask=t_all < T, other=0.0).to(tl.float32)
+    tl.store(x + out_r[:, None] * BT + rows[None, :], X)
+    beta_all = tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)
     xb = X * beta_all[None, :]
-    tl.store(w + out_t[:, None] * BK + ck[None, :],
+    tl.store(w + out_r[:, None] * BK + ck[None, :],
              tl.dot(xb, k_all * tl.exp2(gc), input_precision=PREC).to(w.dtype.element_ty))  # fmt: skip
-    v_all = _load_rows(v + (i_b * T * HV + i_hv).to(tl.int64) * V, t_all, HV * V, cv, V, T).to(tl.float32)
+    v_all = _load_rows(v + t0 * HV * V + i_hv * V, rows, HV * V, cv, V, n_t).to(tl.float32)
     tl.store(
-        u + out_t[:, None] * BV + cv[None, :], tl.dot(xb, v_all, input_precision=PREC).to(u.dtype.element_ty)
+        u + out_r[:, None] * BV + cv[None, :], tl.dot(xb, v_all, input_precision=PREC).to(u.dtype.element_ty)
     )
-    qs = _load_rows(q_bh, t_all, H * K, ck, K, T).to(tl.float32) * scale
-    tl.store(qg + out_t[:, None] * BK + ck[None, :], (qs * tl.exp2(gc)).to(qg.dtype.element_ty))
-    gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
+    qs = _load_rows(q_h, rows, H * K, ck, K, n_t).to(tl.float32) * scale
+    tl.store(qg + out_r[:, None] * BK + ck[None, :], (qs * tl.exp2(gc)).to(qg.dtype.element_ty))
+    gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)  # rows past n_t add 0 gate
     tl.store(
-        kd + out_t[:, None] * BK + ck[None, :],
+        kd + out_r[:, None] * BK + ck[None, :],
         (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
     )
-    tl.store(gl + (i_bh * tl.num_programs(0) + i_n).to(tl.int64) * BK + ck, tl.exp2(gc_end))
+    tl.store(gl + row0 // BT * BK + ck, tl.exp2(gc_end))
+
+
+@triton.jit
+def _seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
+    """First chunk (global index) and number of chunks of sequence i_n (a batch row without cu_seqlens)."""
+    if IS_VARLEN:
+        c0 = tl.load(offsets + i_n)
+        n_chunks = tl.load(offsets + i_n + 1) - c0
+    else:
+        c0 = i_n * NT
+        n_chunks = NT
+    return c0, n_chunks
 
 
 @triton.jit
 def _states_kernel(
-    w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [B*HV, K, V] f32; out: S0 per chunk, U per chunk
-    K, V, NT,
+    w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
+    offsets,  # varlen only: int32 [N + 1] first chunk of each sequence
+    HV, K, V, NT, NCH,
     BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, PREC: tl.constexpr,
+    USE_H0: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """The forward state pass again, storing the state entering each chunk and the values U it writes."""
+    """Per (value block, sequence x value head): the forward state pass again, from that sequence's h0,
+    storing the state entering each of its chunks and the values U each writes."""
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    c0, n_chunks = _seq_chunks(i_n, offsets, NT, IS_VARLEN)
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        S += tl.load(h0 + i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+        S += tl.load(h0 + i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
                      mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)  # fmt: skip
-    base = i_bh.to(tl.int64) * NT * BT
-    for n in range(NT):
-        r = (base + n * BT + rows)[:, None]
+    for n in range(n_chunks):
+        c = (i_hv * NCH + c0 + n).to(tl.int64)  # chunk's index in the intermediates
+        r = (c * BT + rows)[:, None]
         s_lo = S.to(h.dtype.element_ty)
-        tl.store(h + ((i_bh.to(tl.int64) * NT + n) * BK + ck[:, None]) * BVP + cv[None, :], s_lo)
+        tl.store(h + (c * BK + ck[:, None]) * BVP + cv[None, :], s_lo)
         w_n = tl.load(w + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
-        decay = tl.load(gl + (i_bh.to(tl.int64) * NT + n) * BK + ck)
+        decay = tl.load(gl + c * BK + ck)
         U = tl.load(u + r * BVP + cv[None, :]).to(tl.float32) - tl.dot(
             w_n, s_lo.to(w_n.dtype), input_precision=PREC
         )
@@ -268,36 +250,42 @@ def _states_kernel(
 @triton.jit
 def _dstates_kernel(
     qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0,  # dh: dS per chunk; dvn: dU per chunk (float32)
-    T, HV, K, V, NT,
+    chunks, offsets,  # varlen only: the chunk table and first chunk of each sequence
+    T, HV, K, V, NT, NCH,
     BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """The backward state pass, last chunk first: dU = Aqk^T dO + kd dS; dS <- qg^T dO + exp(gc_C) dS - w^T dU."""
+    """The backward state pass of one sequence, its last chunk first, from that sequence's dht:
+    dU = Aqk^T dO + kd dS; dS <- qg^T dO + exp(gc_C) dS - w^T dU. What is left is that sequence's dh0."""
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    c0, n_chunks = _seq_chunks(i_n, offsets, NT, IS_VARLEN)
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     s_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    s_off = i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    s_off = i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         dS += tl.load(dht + s_off, mask=s_mask, other=0.0)
-    base = i_bh.to(tl.int64) * NT * BT
-    do_bh = do + (i_bh // HV).to(tl.int64) * T * HV * V + (i_bh % HV) * V
-    for i in range(NT):
-        n = NT - 1 - i
-        t = n * BT + rows
-        r = (base + t)[:, None]
+    do_hv = do + i_hv * V
+    for i in range(n_chunks):
+        i_c = c0 + n_chunks - 1 - i
+        t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+        n_t = (t_end - t0).to(tl.int32)
+        c = (i_hv * NCH + i_c).to(tl.int64)
+        r = (c * BT + rows)[:, None]
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         w_n = tl.load(w + r * BK + ck[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
-        decay = tl.load(gl + (i_bh.to(tl.int64) * NT + n) * BK + ck)
-        do_n = tl.load(do_bh + t[:, None].to(tl.int64) * HV * V + cv[None, :],
-                       mask=(t[:, None] < T) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
+        decay = tl.load(gl + c * BK + ck)
+        do_n = tl.load(do_hv + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
+                       mask=(rows[:, None] < n_t) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
         ds_lo = dS.to(dh.dtype.element_ty)
-        tl.store(dh + ((i_bh.to(tl.int64) * NT + n) * BK + ck[:, None]) * BVP + cv[None, :], ds_lo)
+        tl.store(dh + (c * BK + ck[:, None]) * BVP + cv[None, :], ds_lo)
         dU = tl.dot(tl.trans(a_n), do_n, input_precision=PREC) + tl.dot(
             kd_n, ds_lo.to(kd_n.dtype), input_precision=PREC
         )
@@ -313,26 +301,27 @@ def _local_v_kernel(
     q, k, v, g, beta, do,  # inputs and dO
     u, w, x, h, vn, dh, dvn,  # recomputed intermediates
     dv, dq, dk, dgc, dgc_end, dbeta, dA, dAqk,  # outputs (dq, dk, dgc, dbeta partial; dA, dAqk for kernel 6)
-    T, H, HV, K, V, scale,
+    chunks,  # varlen only: the chunk table
+    T, H, HV, K, V, NT, NCH, scale,
     BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Per chunk: all sums over the value dimension, then the element-wise gate terms. See the module doc."""
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    NT = tl.num_programs(0)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     L2E: tl.constexpr = 1.4426950408889634
-    t0 = i_n * BT
+    t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
-    t_all = t0 + rows
-    r = (i_bh.to(tl.int64) * NT * BT + t_all)[:, None]  # row of the padded intermediates
-    hb = (i_bh.to(tl.int64) * NT + i_n) * BK  # first row of this chunk's state tiles
-    vt_bh = (i_b * T * HV + i_hv).to(tl.int64) * V  # [B, T, HV, V] tensors: row t at + t * HV * V
-    beta_all = tl.load(beta + (i_b * T * HV + i_hv).to(tl.int64) + t_all.to(tl.int64) * HV,
-                       mask=t_all < T, other=0.0).to(tl.float32)  # fmt: skip
+    c = (i_hv * NCH + i_c).to(tl.int64)
+    r = (c * BT + rows)[:, None]  # row of the padded intermediates
+    hb = c * BK  # first row of this chunk's state tiles
+    v_off = t0 * HV * V + i_hv * V  # [B, T, HV, V] tensors: row t of the chunk at + t * HV * V
+    tv = rows[:, None] * HV * V
+    b_h = beta + t0 * HV + i_hv
+    beta_all = tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)
     X = tl.load(x + r * BT + rows[None, :])
 
     dqg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -345,15 +334,15 @@ def _local_v_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         vm = cv[None, :] < V
-        tm = (t_all[:, None] < T) & vm
+        tm = (rows[:, None] < n_t) & vm
         s_ptr = (hb + ck[:, None]) * BVP + cv[None, :]
         S0 = tl.load(h + s_ptr, mask=vm, other=0.0)
         dS = tl.load(dh + s_ptr, mask=vm, other=0.0)
         U = tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0)
         dU = tl.load(dvn + r * BVP + cv[None, :], mask=vm, other=0.0)
         u_c = tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32)
-        do_c = tl.load(do + vt_bh + t_all[:, None].to(tl.int64) * HV * V + cv[None, :], mask=tm, other=0.0)
-        v_c = tl.load(v + vt_bh + t_all[:, None].to(tl.int64) * HV * V + cv[None, :], mask=tm, other=0.0)
+        do_c = tl.load(do + v_off + tv + cv[None, :], mask=tm, other=0.0)
+        v_c = tl.load(v + v_off + tv + cv[None, :], mask=tm, other=0.0)
         do_c = do_c.to(S0.dtype)
         dqg += tl.dot(do_c, tl.trans(S0), input_precision=PREC)
         dkd += tl.dot(U, tl.trans(dS), input_precision=PREC)
@@ -361,16 +350,15 @@ def _local_v_kernel(
         dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
         dgl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), axis=1)
         dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
-        tl.store(dv + vt_bh + t_all[:, None].to(tl.int64) * HV * V + cv[None, :],
-                 (beta_all[:, None] * dup).to(dv.dtype.element_ty), mask=tm)  # fmt: skip
+        tl.store(dv + v_off + tv + cv[None, :], (beta_all[:, None] * dup).to(dv.dtype.element_ty), mask=tm)
         db += tl.sum(dup * v_c.to(tl.float32), axis=1)
         dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
 
     # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
-    k_all = _load_rows(k + (i_b * T * H + i_h).to(tl.int64) * K, t_all, H * K, ck, K, T).to(tl.float32)
-    qs = _load_rows(q + (i_b * T * H + i_h).to(tl.int64) * K, t_all, H * K, ck, K, T).to(tl.float32) * scale
-    gc = tl.cumsum(_load_rows(g + (i_b * T * HV + i_hv).to(tl.int64) * K, t_all, HV * K, ck, K, T)
-                   .to(tl.float32) * L2E, axis=0)  # fmt: skip
+    k_all = _load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)
+    qs = _load_rows(q + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32) * scale
+    gc = tl.cumsum(_load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E,
+                   axis=0)  # fmt: skip
     gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
     w_c = tl.load(w + r * BK + ck[None, :]).to(tl.float32)
     dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
@@ -383,13 +371,14 @@ def _local_v_kernel(
     dgc_c = qs * eg * dqg + kg * dkg - k_all * ed * dkd
     end = tl.sum(k_all * ed * dkd, axis=0) + tl.exp2(gc_end) * dgl
 
-    kt = (i_b * T * HV + i_hv).to(tl.int64) * K + t_all[:, None].to(tl.int64) * HV * K + ck[None, :]
-    km = (t_all[:, None] < T) & (ck[None, :] < K)
-    tl.store(dq + kt, scale * eg * dqg, mask=km)
-    tl.store(dk + kt, eg * dkg + ed * dkd, mask=km)
-    tl.store(dgc + kt, dgc_c, mask=km)
-    tl.store(dgc_end + (i_bh.to(tl.int64) * NT + i_n) * BK + ck, end)
-    tl.store(dbeta + (i_b * T * HV + i_hv).to(tl.int64) + t_all.to(tl.int64) * HV, db, mask=t_all < T)
+    k_off = t0 * HV * K + i_hv * K  # [B, T, HV, K] gradients: row t of the chunk at + t * HV * K
+    kt = rows[:, None] * HV * K + ck[None, :]
+    km = (rows[:, None] < n_t) & (ck[None, :] < K)
+    tl.store(dq + k_off + kt, scale * eg * dqg, mask=km)
+    tl.store(dk + k_off + kt, eg * dkg + ed * dkd, mask=km)
+    tl.store(dgc + k_off + kt, dgc_c, mask=km)
+    tl.store(dgc_end + hb + ck, end)
+    tl.store(dbeta + t0 * HV + i_hv + rows * HV, db, mask=rows < n_t)
     m_off = r * BT + rows[None, :]
     tl.store(dA + m_off, tl.where(rows[:, None] > rows[None, :], -dM_kk, 0.0))
     tl.store(dAqk + m_off, tl.where(rows[:, None] >= rows[None, :], dM_qk, 0.0))
@@ -399,31 +388,29 @@ def _local_v_kernel(
 def _local_k_kernel(
     q, k, g, beta, dA, dAqk, dgc_end,  # inputs; dA, dAqk, dgc_end from _local_v_kernel
     dq, dk, dgc, dbeta,  # partial gradients, completed in place (dgc becomes dg)
-    T, H, HV, K, scale,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    chunks,  # varlen only: the chunk table
+    T, H, HV, K, NT, NCH, scale,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Per chunk: gradients through the gated Gram matrices A and Aqk, then dg = reverse cumsum of dgc."""
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    NT = tl.num_programs(0)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     NB: tl.constexpr = BT // BC
     L2E: tl.constexpr = 1.4426950408889634
-    t0 = i_n * BT
+    t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
     rc = tl.arange(0, BC)
     ck = tl.arange(0, BK)
-    t_all = t0 + rows
-    q_bh = q + (i_b * T * H + i_h).to(tl.int64) * K
-    k_bh = k + (i_b * T * H + i_h).to(tl.int64) * K
-    g_bh = g + (i_b * T * HV + i_hv).to(tl.int64) * K
-    b_bh = beta + (i_b * T * HV + i_hv).to(tl.int64)
-    m_bh = i_bh.to(tl.int64) * NT * BT
+    q_h = q + t0 * H * K + i_h * K
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    b_h = beta + t0 * HV + i_hv
+    c = (i_hv * NCH + i_c).to(tl.int64)
 
-    k_all = _load_rows(k_bh, t_all, H * K, ck, K, T).to(tl.float32)
-    gc = tl.cumsum(_load_rows(g_bh, t_all, HV * K, ck, K, T).to(tl.float32) * L2E, axis=0)
+    k_all = _load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
+    gc = tl.cumsum(_load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E, axis=0)
 
     acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
     acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -432,14 +419,14 @@ def _local_k_kernel(
     db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
     start = tl.zeros([BK], dtype=tl.float32)
     for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
-        ta = t0 + a * BC + rc
-        k_a = _load_rows(k_bh, ta, H * K, ck, K, T).to(tl.float32)
-        qs_a = _load_rows(q_bh, ta, H * K, ck, K, T).to(tl.float32) * scale
-        g_a = _load_rows(g_bh, ta, HV * K, ck, K, T).to(tl.float32) * L2E
-        beta_a = tl.load(b_bh + ta.to(tl.int64) * HV, mask=ta < T, other=0.0).to(tl.float32)
+        ta = a * BC + rc
+        k_a = _load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
+        qs_a = _load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
+        g_a = _load_rows(g_h, ta, HV * K, ck, K, n_t).to(tl.float32) * L2E
+        beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
         gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         bk_a = beta_a[:, None] * k_a
-        m_rows = (m_bh + t0 + a * BC + rc)[:, None] * BT
+        m_rows = (c * BT + a * BC + rc)[:, None] * BT
         # Columns before the block, anchored at its start boundary (all zero for a = 0).
         dA_a = tl.load(dA + m_rows + rows[None, :])
         dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
@@ -463,83 +450,103 @@ def _local_k_kernel(
         acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
         start += tl.sum(g_a, axis=0)
 
-    kt = (i_b * T * HV + i_hv).to(tl.int64) * K + t_all[:, None].to(tl.int64) * HV * K + ck[None, :]
-    km = (t_all[:, None] < T) & (ck[None, :] < K)
-    tl.store(dq + kt, tl.load(dq + kt, mask=km, other=0.0) + acc_dq, mask=km)
-    tl.store(dk + kt, tl.load(dk + kt, mask=km, other=0.0) + acc_dk + db_all, mask=km)
-    bt = (i_b * T * HV + i_hv).to(tl.int64) + t_all.to(tl.int64) * HV
-    tl.store(dbeta + bt, tl.load(dbeta + bt, mask=t_all < T, other=0.0) + acc_db, mask=t_all < T)
-    # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row.
-    end = tl.load(dgc_end + (i_bh.to(tl.int64) * NT + i_n) * BK + ck)
-    d = tl.load(dgc + kt, mask=km, other=0.0) + acc_dgc - k_all * db_all
+    k_off = t0 * HV * K + i_hv * K
+    kt = rows[:, None] * HV * K + ck[None, :]
+    km = (rows[:, None] < n_t) & (ck[None, :] < K)
+    dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
+    tl.store(dq_p, tl.load(dq_p, mask=km, other=0.0) + acc_dq, mask=km)
+    tl.store(dk_p, tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all, mask=km)
+    db_p = dbeta + t0 * HV + i_hv + rows * HV
+    tl.store(db_p, tl.load(db_p, mask=rows < n_t, other=0.0) + acc_db, mask=rows < n_t)
+    # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
+    # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
+    end = tl.load(dgc_end + c * BK + ck)
+    d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.sum(d, axis=0)[None, :] - tl.cumsum(d, axis=0) + d
-    tl.store(dgc + kt, dg, mask=km)
+    tl.store(dg_p, dg, mask=km)
 
 
-def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht):
-    """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0)."""
+def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None):
+    """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
+
+    With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     interp = interpreting()
     BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
-    NT = triton.cdiv(T, BT)
+    varlen = cu_seqlens is not None
+    NT, NCH, chunks, offsets = chunk_layout(T, B, cu_seqlens, BT)
+    N = cu_seqlens.numel() - 1 if varlen else B
     idt = torch.float32 if (interp or q.dtype == torch.float32) else q.dtype
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     dev = q.device
-    rows = B * HV * NT * BT
+    rows = HV * NCH * BT
     f32 = dict(device=dev, dtype=torch.float32)
     lo = dict(device=dev, dtype=idt)
+
+    # Every token lies in exactly one chunk, so the kernels write every entry of the gradients.
+    new = torch.empty if NCH * HV * K * V > 0 else torch.zeros  # else nothing runs: all gradients zero
+    dv = new(v.shape, device=dev, dtype=v.dtype)
+    dq, dk, dg = (new(B, T, HV, K, **f32) for _ in range(3))
+    dbeta = new(B, T, HV, **f32)
+    dh0 = torch.empty(N, HV, K, V, **f32) if h0 is not None else None
+    if new is torch.zeros:
+        if dh0 is not None:  # no steps: the final state is h0
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
 
     # 1-2. Recompute the chunk-local intermediates and the UT inverse.
     w, qg, kd = (torch.empty(rows, BK, **lo) for _ in range(3))
     u = torch.empty(rows, BVP, **lo)
     aqk = torch.empty(rows, BT, **lo)
-    gl = torch.empty(B * HV * NT, BK, **f32)
+    gl = torch.empty(HV * NCH, BK, **f32)
     x = torch.empty(rows, BT, **f32)
-    _prepare_kernel[(NT, B * HV)](
-        q, k, v, g, beta, x, w, u, qg, kd, aqk, gl, T, H, HV, K, V, scale,
-        BT=BT, BC=SUB, BK=BK, BV=BVP, PREC=prec, num_warps=4 if BK <= 64 else 8,
+    _prepare_kernel[(NCH, HV)](
+        q, k, v, g, beta, x, w, u, qg, kd, aqk, gl, chunks, T, H, HV, K, V, NT, NCH, scale,
+        BT=BT, BC=SUB, BK=BK, BV=BVP, PREC=prec, IS_VARLEN=varlen, num_warps=4 if BK <= 64 else 8,
     )  # fmt: skip
 
-    # 3-4. The two passes over chunks: states forward, state gradients backward.
+    # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
     bv = min(BVP, 32)
-    if not interp and B * HV * triton.cdiv(V, bv) < 128:
+    if not interp and N * HV * triton.cdiv(V, bv) < 128:
         bv = 16
     stages = 1 if BK * w.element_size() > 512 else 2
-    h = torch.empty(B * HV * NT, BK, BVP, **lo)
+    h = torch.empty(HV * NCH, BK, BVP, **lo)
     vn = torch.empty(rows, BVP, **lo)
-    _states_kernel[(triton.cdiv(V, bv), B * HV)](
-        w, u, kd, gl, h0, h, vn, K, V, NT,
-        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, PREC=prec, num_warps=4, num_stages=stages,
-    )  # fmt: skip
-    dh = torch.empty(B * HV * NT, BK, BVP, **lo)
-    dvn = torch.empty(rows, BVP, **f32)
-    dh0 = torch.empty(B, HV, K, V, **f32) if h0 is not None else None
-    _dstates_kernel[(triton.cdiv(V, bv), B * HV)](
-        qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0, T, HV, K, V, NT,
-        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec,
+    _states_kernel[(triton.cdiv(V, bv), N * HV)](
+        w, u, kd, gl, h0, h, vn, offsets, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, PREC=prec, IS_VARLEN=varlen,
         num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    dh = torch.empty(HV * NCH, BK, BVP, **lo)
+    dvn = torch.empty(rows, BVP, **f32)
+    _dstates_kernel[(triton.cdiv(V, bv), N * HV)](
+        qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0, chunks, offsets, T, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec,
+        IS_VARLEN=varlen, num_warps=4, num_stages=stages,
     )  # fmt: skip
     del qg, kd
 
     # 5-6. Chunk-local gradients.
-    dv = torch.empty_like(v)
-    dq = torch.empty(B, T, HV, K, **f32)
-    dk = torch.empty(B, T, HV, K, **f32)
-    dg = torch.empty(B, T, HV, K, **f32)
-    dbeta = torch.empty(B, T, HV, **f32)
-    dgc_end = torch.empty(B * HV * NT, BK, **f32)
+    dgc_end = torch.empty(HV * NCH, BK, **f32)
     dA = torch.empty_like(x)
     dAqk = aqk  # Aqk is no longer needed after kernel 4: its buffer takes dAqk
-    _local_v_kernel[(NT, B * HV)](
-        q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, dbeta, dA, dAqk,
-        T, H, HV, K, V, scale, BT=BT, BK=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, num_warps=8,
+    _local_v_kernel[(NCH, HV)](
+        q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, dbeta, dA, dAqk, chunks,
+        T, H, HV, K, V, NT, NCH, scale,
+        BT=BT, BK=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, num_warps=8,
     )  # fmt: skip
-    _local_k_kernel[(NT, B * HV)](
-        q, k, g, beta, dA, dAqk, dgc_end, dq, dk, dg, dbeta, T, H, HV, K, scale,
-        BT=BT, BC=SUB, BK=BK, PREC=prec, num_warps=4,
+    _local_k_kernel[(NCH, HV)](
+        q, k, g, beta, dA, dAqk, dgc_end, dq, dk, dg, dbeta, chunks, T, H, HV, K, NT, NCH, scale,
+        BT=BT, BC=SUB, BK=BK, PREC=prec, IS_VARLEN=varlen, num_warps=4,
     )  # fmt: skip
+    return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
+
+
+def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):
+    """Sum dq, dk over the value heads that share a query/key head; cast to the inputs' dtypes."""
+    B, T, HV, K = dq.shape
     if HV != H:  # a query/key head serves HV // H value heads: add their gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
@@ -550,18 +557,18 @@ class ChunkKDAFunction(torch.autograd.Function):
     """`chunk_kda` with a Triton backward. The forward saves only its inputs; the backward recomputes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = initial_state.contiguous() if initial_state is not None else None
-        o, ht = _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, h0)
+        o, ht = _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
         ctx.scale = scale
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0 = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht)
-        return dq, dk, dv, dg, dbeta, None, dh0, None
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None

@@ -536,6 +536,7 @@ def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None):
         q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, dbeta, dA, dAqk, chunks,
         T, H, HV, K, V, NT, NCH, scale,
         BT=BT, BK=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, num_warps=8,
+        **_local_v_stages(BK, w.element_size()),
     )  # fmt: skip
     _local_k_kernel[(NCH, HV)](
         q, k, g, beta, dA, dAqk, dgc_end, dq, dk, dg, dbeta, chunks, T, H, HV, K, NT, NCH, scale,
@@ -551,6 +552,15 @@ def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
     return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+
+
+def _local_v_stages(BK: int, itemsize: int) -> dict:
+    """Pipeline depth of `_local_v_kernel`. With float32 intermediates Triton's default (3 stages) asks for
+    more shared memory than a Hopper SM has (311 kB at K = 128, V = 64 on the H200; limit 227 kB): two
+    stages fit up to K = 128 (164 kB), one beyond (197 kB at K = V = 256; sizes from compiling for sm_90)."""
+    if itemsize < 4:
+        return {}
+    return dict(num_stages=2 if BK <= 128 else 1)
 
 
 class ChunkKDAFunction(torch.autograd.Function):

@@ -139,11 +139,11 @@ def main():
             row["inputs GiB"] = sum(t.numel() * t.element_size() for t in x.values()) / 2**30
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:  # after every shape: a run cut short still leaves its rows
+            json.dump(res, f, indent=1)
         x = do = grads = None
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
     print(f"{'B,T,H':>14} {'ours ms':>9} {'fla ms':>9} {'ratio':>6}")
     for r in res["rows"]:
         a, b = r.get("kda_edu chunk_kda fwd+bwd ms"), r.get("fla chunk_kda fwd+bwd ms")

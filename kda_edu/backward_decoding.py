@@ -7,6 +7,10 @@
   gradients are compared with.
 - `recompute_vs_store`: bytes per token a forward would have to keep for the backward against the FLOPs
   the backward spends recomputing them instead.
+- `outputs_and_grads` / `per_sequence_grads`: the same for one packed variable-length row (`cu_seqlens`) and
+  for each of its sequences run alone, to show that packing changes nothing.
+- `kernel_split`, `backward_memory`, `versus`: reading the forward + backward benchmark
+  (`bench/results/h200_fwd_bwd.json`): which kernel the time goes to, and which buffer the peak memory goes to.
 - `decode_bytes` and the two plotting helpers for the decode and forward + backward benchmarks.
 """
 
@@ -26,16 +30,20 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def input_grads(fn, inputs: dict, do: torch.Tensor, dht: torch.Tensor, dtype: torch.dtype = torch.float64):
-    """Autograd gradients of `L = sum(o * do) + sum(S_T * dht)` for `fn(q, k, v, g, beta, initial_state=h0)`.
+def outputs_and_grads(
+    fn, inputs: dict, do: torch.Tensor, dht: torch.Tensor, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Output, final state and autograd gradients of `L = sum(o * do) + sum(S_T * dht)`.
 
     Args:
-        fn: a KDA function with the contract of `kda_edu.kda.kda_recurrent` (`chunk_kda`, `kda_chunked`, ...).
+        fn: a KDA function with the contract of `kda_edu.kda.kda_recurrent` (`chunk_kda`, `kda_chunked`, ...),
+            called as `fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)`.
         inputs: `{"q", "k", "v", "g", "beta", "h0"}`, cast to `dtype` before the call.
-        do, dht: the upstream gradients of the output `[B, T, HV, V]` and of the final state `[B, HV, K, V]`.
+        do, dht: the upstream gradients of the output `[B, T, HV, V]` and of the final state `[B, HV, K, V]`
+            (`[N, HV, K, V]`, one per sequence, when `fn` packs N sequences with `cu_seqlens`).
 
     Returns:
-        `{name: gradient}` for the six inputs, in `dtype`.
+        `(o, S_T, {name: gradient})`: o and S_T detached, the gradients of the six inputs in `dtype`.
     """
     xs = {n: inputs[n].detach().to(dtype).requires_grad_() for n in NAMES}
     o, ht = fn(
@@ -43,7 +51,44 @@ def input_grads(fn, inputs: dict, do: torch.Tensor, dht: torch.Tensor, dtype: to
     )
     loss = (o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()
     loss.backward()
-    return {n: x.grad for n, x in xs.items()}
+    return o.detach(), ht.detach(), {n: x.grad for n, x in xs.items()}
+
+
+def input_grads(fn, inputs: dict, do: torch.Tensor, dht: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """Autograd gradients `{name: gradient}` of `L = sum(o * do) + sum(S_T * dht)`; see `outputs_and_grads`."""
+    return outputs_and_grads(fn, inputs, do, dht, dtype)[2]
+
+
+def per_sequence_grads(
+    fn, inputs: dict, do: torch.Tensor, dht: torch.Tensor, cu_seqlens: torch.Tensor, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """`outputs_and_grads` for each sequence of a packed row alone, put back together in the packed layout.
+
+    Args:
+        fn, dtype: as for `outputs_and_grads`; `fn` is called once per non-empty sequence, without cu_seqlens.
+        inputs: one packed row (B = 1) of q, k, v, g, beta along T, and h0 `[N, HV, K, V]`, one per sequence.
+        do: `[1, T, HV, V]`; dht: `[N, HV, K, V]`.
+        cu_seqlens: `[N + 1]` cumulative lengths, FlashAttention's convention.
+
+    Returns:
+        `(o [1, T, HV, V], S_T [N, HV, K, V], {name: gradient})` in the packed layout. An empty sequence has no
+        output, its final state is its initial state and so the gradient of its h0 is its dht.
+    """
+    o = torch.zeros_like(do, dtype=dtype)
+    ht = inputs["h0"].detach().to(dtype).clone()
+    grads = {n: torch.zeros_like(inputs[n], dtype=dtype) for n in NAMES}
+    grads["h0"] = dht.to(dtype).clone()
+    bounds = cu_seqlens.tolist()
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        if bos == eos:
+            continue
+        alone = {m: inputs[m][:, bos:eos] for m in NAMES[:5]} | {"h0": inputs["h0"][n : n + 1]}
+        o_n, ht_n, g_n = outputs_and_grads(fn, alone, do[:, bos:eos], dht[n : n + 1], dtype)
+        o[:, bos:eos], ht[n : n + 1] = o_n, ht_n
+        for m in NAMES[:5]:
+            grads[m][:, bos:eos] = g_n[m]
+        grads["h0"][n : n + 1] = g_n["h0"]
+    return o, ht, grads
 
 
 class ChunkGrads(NamedTuple):
@@ -263,26 +308,203 @@ def plot_decode(result: dict):
     return fig
 
 
-def plot_fwd_bwd(result: dict):
-    """Forward + backward time of ours and fla's chunk_kda from `bench/results/h200_fwd_bwd.json`."""
+def versus(ratio: float, digits: int = 1) -> str:
+    """A time ratio `ours / theirs` in words: "2.4x slower" above 1, "1.3x faster" (theirs / ours) below."""
+    return f"{ratio:.{digits}f}x slower" if ratio >= 1 else f"{1 / ratio:.{digits}f}x faster"
+
+
+def versus_range(ratios, digits: int = 1) -> str:
+    """Several ratios `ours / theirs` in words: "2.4x to 2.5x slower", or each on its own when they straddle 1."""
+    lo, hi = min(ratios), max(ratios)
+    if lo < 1 <= hi:
+        return f"{versus(lo, digits)} to {versus(hi, digits)}"
+    a, b, word = (lo, hi, "slower") if lo >= 1 else (1 / hi, 1 / lo, "faster")
+    if f"{a:.{digits}f}" == f"{b:.{digits}f}":
+        return f"{a:.{digits}f}x {word}"
+    return f"{a:.{digits}f}x to {b:.{digits}f}x {word}"
+
+
+FWD_BWD_KEYS = ("kda_edu chunk_kda fwd+bwd ms", "fla chunk_kda fwd+bwd ms")
+FORWARD_KERNELS = ("_chunk_prepare_kernel", "_chunk_scan_kernel")  # kda_edu/triton/chunk.py
+BACKWARD_KERNELS = (
+    "_prepare_kernel",
+    "_states_kernel",
+    "_dstates_kernel",
+    "_local_v_kernel",
+    "_local_k_kernel",
+)
+LOCAL_KERNELS = ("_local_v_kernel", "_local_k_kernel")  # the two chunk-local gradient kernels
+
+
+def fwd_bwd_rows(result: dict) -> list[dict]:
+    """The rows of `bench/results/h200_fwd_bwd.json` in which both ours and fla's forward + backward ran."""
+    return [r for r in result["rows"] if all(key in r for key in FWD_BWD_KEYS)]
+
+
+def kernel_split(kernels_us: dict) -> dict:
+    """Sort a profile of one forward + backward (`{kernel name: microseconds}`, as bench_kda_bwd.py records it)
+    into `{"forward": {...}, "backward": {...}, "other": {...}}` in milliseconds. "other" is every kernel that
+    is not one of ours: PyTorch's own element-wise kernels (the backward's casts of dq, dk, dbeta to bf16)."""
+    split = {"forward": {}, "backward": {}, "other": {}}
+    for name, us in kernels_us.items():
+        part = "forward" if name in FORWARD_KERNELS else "backward" if name in BACKWARD_KERNELS else "other"
+        split[part][name] = us / 1e3
+    return split
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def backward_memory(
+    B: int, T: int, H: int, HV: int, K: int, V: int, in_bytes: int = 2, chunk: int = 64
+) -> dict:
+    """Bytes that `chunk_kda`'s forward + backward allocates beyond its inputs and dO, buffer by buffer.
+
+    Follows `kda_edu.triton.chunk_bwd._chunk_kda_bwd` (without cu_seqlens): every intermediate has one padded
+    chunk of `chunk` rows per (chunk, value head) and K, V padded to powers of two. Alive through the whole
+    backward: the output o (the caller holds it) and the gradients, dq, dk, dg, dbeta in float32. Then, kernel
+    after kernel: the recomputed intermediates; the chunk states S0 and their gradients dS with U and dU; dA
+    (qg and kd are freed before it; dAqk reuses Aqk's buffer); last, the casts of dq, dk, dbeta to the inputs'
+    dtype (and the sums over value heads sharing a key head when HV > H). The forward's own intermediates are
+    smaller and freed before the backward starts.
+
+    Returns:
+        `{"peak": bytes, "phases": {phase: bytes alive at its end}, "at_peak": {buffer: bytes}}`.
+    """
+    f32, lo = 4, in_bytes
+    NCH = B * -(-T // chunk)  # chunks, the last of each sequence padded
+    rows, BK, BVP = HV * NCH * chunk, _pow2(K), _pow2(V)
+    tok = B * T
+    held = {
+        "output o": tok * HV * V * lo,
+        "dv": tok * HV * V * lo,
+        "dq, dk, dg (float32)": 3 * tok * HV * K * f32,
+        "dbeta (float32)": tok * HV * f32,
+    }
+    prepare = {
+        "w, u": rows * (BK + BVP) * lo,
+        "qg, kd": 2 * rows * BK * lo,
+        "Aqk, then dAqk": rows * chunk * lo,
+        "X = (I + A)^-1 (float32)": rows * chunk * f32,
+        "exp(gc_C) (float32)": HV * NCH * BK * f32,
+    }
+    passes = {
+        "S0 of every chunk": HV * NCH * BK * BVP * lo,
+        "dS of every chunk": HV * NCH * BK * BVP * lo,
+        "U": rows * BVP * lo,
+        "dU (float32)": rows * BVP * f32,
+    }
+    local = {"dA, dgc_end (float32)": rows * chunk * f32 + HV * NCH * BK * f32}
+    finish = {}
+    if HV != H:
+        finish["dq, dk summed over value heads"] = 2 * tok * H * K * f32
+    if lo < f32:
+        finish["dq, dk, dbeta cast to the input dtype"] = (2 * tok * H * K + tok * HV) * lo
+    after_local = {n: b for n, b in (held | prepare | passes | local).items() if n != "qg, kd"}
+    live = {
+        "recompute (kernels 1-2)": held | prepare,
+        "state passes (3-4)": held | prepare | passes,
+        "local gradients (5-6)": after_local,
+        "casts": after_local | finish,
+    }
+    phases = {name: sum(bufs.values()) for name, bufs in live.items()}
+    top = max(phases, key=phases.get)
+    return dict(peak=phases[top], phases=phases, at_peak=live[top])
+
+
+MEMORY_GROUPS = {  # backward_memory's buffers, grouped for the figure
+    "output o": ("output o",),
+    "gradients (float32 partials, casts)": (
+        "dv",
+        "dq, dk, dg (float32)",
+        "dbeta (float32)",
+        "dq, dk summed over value heads",
+        "dq, dk, dbeta cast to the input dtype",
+    ),
+    "recomputed w, u, Aqk, X, exp(gc_C)": (
+        "w, u",
+        "qg, kd",
+        "Aqk, then dAqk",
+        "X = (I + A)^-1 (float32)",
+        "exp(gc_C) (float32)",
+    ),
+    "S0, dS, U, dU of every chunk": ("S0 of every chunk", "dS of every chunk", "U", "dU (float32)"),
+    "dA, dgc_end": ("dA, dgc_end (float32)",),
+}
+
+
+FLA_COLOR = "C3"
+MEMORY_COLORS = ("#c6dbef", "#6baed6", "#2171b5", "#08306b", "#9e9ac8")
+
+
+def plot_fwd_bwd(result: dict, memory: dict | None = None):
+    """Three panels from `bench/results/h200_fwd_bwd.json`: forward + backward time of ours and fla's
+    chunk_kda per shape; our time kernel by kernel at the first shape (with fla's whole step for scale); and
+    peak memory beside fla's, ours split into `backward_memory`'s buffers when `memory` is given."""
     from kda_edu.plotting import figure, finish
 
-    rows = [
-        r for r in result["rows"] if "kda_edu chunk_kda fwd+bwd ms" in r and "fla chunk_kda fwd+bwd ms" in r
-    ]
-    labels = [f"B={r['B']}, T={r['T']}, H={r['H']}" for r in rows]
-    ours = [r["kda_edu chunk_kda fwd+bwd ms"] for r in rows]
-    fla = [r["fla chunk_kda fwd+bwd ms"] for r in rows]
-    worst = max(o / f for o, f in zip(ours, fla, strict=True))
-    fig, (ax,) = figure(
-        f"Forward + backward on {result['device']}: ours at most {worst:.2f}x fla's time",
-        [("shape (bf16, K = V = 128)", "forward + backward time (ms)")],
-        width=7.0,
+    rows = fwd_bwd_rows(result)
+    ours = [r[FWD_BWD_KEYS[0]] for r in rows]
+    fla = [r[FWD_BWD_KEYS[1]] for r in rows]
+    ratios = [o / f for o, f in zip(ours, fla, strict=True)]
+    first = rows[0]
+    split = kernel_split(first["kda_edu kernels us"])
+    total = sum(ms for part in split.values() for ms in part.values())
+    local = sum(split["backward"][name] for name in LOCAL_KERNELS)
+    mem_row = next(r for r in result["rows"] if "kda_edu chunk_kda peak GiB" in r)
+    mem = (mem_row["kda_edu chunk_kda peak GiB"], mem_row["fla chunk_kda peak GiB"])
+    fig, axes = figure(
+        f"{result['device']}, bf16: forward + backward {versus_range(ratios)} than fla's; "
+        f"{local / total:.0%} of it in the two chunk-local gradient kernels; peak memory {mem[0] / mem[1]:.2f}x fla's",
+        [
+            ("shape (K = V = 128)", "forward + backward time (ms)"),
+            (f"time at B={first['B']}, T={first['T']}, H={first['H']} (ms)", "kernel"),
+            (f"B={mem_row['B']}, T={mem_row['T']}, H={mem_row['H']}", "peak memory beyond the inputs (GiB)"),
+        ],
+        width=5.4,
+        height=4.2,
     )
-    x = torch.arange(len(rows)).tolist()
-    ax.bar([i - 0.2 for i in x], ours, width=0.4, label="kda_edu chunk_kda")
-    ax.bar([i + 0.2 for i in x], fla, width=0.4, label="fla chunk_kda")
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.legend()
+    ax = axes[0]
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], ours, width=0.4, color="C0", label="kda_edu chunk_kda")
+    ax.bar([i + 0.2 for i in x], fla, width=0.4, color=FLA_COLOR, label="fla chunk_kda")
+    for i, (t, r) in enumerate(zip(ours, ratios, strict=True)):
+        ax.text(i - 0.2, t, versus(r), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"{r['B']}, {r['T']}, {r['H']}" for r in rows], fontsize=8)
+    ax.set_xlabel("B, T, H (K = V = 128)")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    names, times, colors = [], [], []
+    for part, color in (("forward", "C2"), ("backward", "C0"), ("other", "C7")):
+        for name, ms in split[part].items():
+            names.append(f"{part}: {name}" if part != "other" else "PyTorch element-wise (casts)")
+            times.append(ms)
+            colors.append("C1" if name in LOCAL_KERNELS else color)
+    ax.barh(range(len(names)), times, color=colors)
+    for i, t in enumerate(times):
+        ax.text(t, i, f" {t:.2f}", va="center", fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    fla_ms = first[FWD_BWD_KEYS[1]]
+    ax.axvline(fla_ms, color=FLA_COLOR, ls="--", label=f"fla's whole forward + backward ({fla_ms:.2f} ms)")
+    ax.set_xlim(0, max(max(times), fla_ms) * 1.15)
+    ax.legend(fontsize=7, loc="lower right")
+
+    ax = axes[2]
+    if memory is not None:
+        bottom = 0.0
+        for (group, members), color in zip(MEMORY_GROUPS.items(), MEMORY_COLORS, strict=True):
+            gib = sum(memory["at_peak"].get(m, 0) for m in members) / 2**30
+            ax.bar(0, gib, bottom=bottom, color=color, label=f"ours: {group}")
+            bottom += gib
+        ax.plot([-0.4, 0.4], [mem[0]] * 2, color="k", lw=2, label="ours, measured")
+    else:
+        ax.bar(0, mem[0], color="C0")
+    ax.bar(1, mem[1], color=FLA_COLOR)
+    ax.set_xticks([0, 1], ["kda_edu chunk_kda", "fla chunk_kda"])
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_ylim(0, max(mem) * 1.7)
     finish(fig)
     return fig

@@ -13,13 +13,17 @@
 - `decode_step_bytes(config, context_len)`: the temporary memory of one decoding step on top of the caches.
 - `max_batch(config, context_len, budget_bytes)`: how many sequences decode within a memory budget (their
   caches and one step's temporaries).
-- `largest_batch_rows(result, pattern)` picks, per context length, the measured row with the largest batch.
+- `largest_batch_rows(result, pattern)` and `batch_one_rows(result, pattern)` pick, per context length, the
+  measured row with the largest batch, or the row at batch 1, from a `bench_decode_throughput` result.
+- `weight_bytes(config)`: the bytes of a `HybridLM`'s parameters, counted without allocating them.
+- `count_ops(fn)`: how many PyTorch operations a call dispatches (the length of a step's chain of operations).
 """
 
 import math
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kda_edu.costs import cache_bytes
 from kda_edu.kda_layer import KDACache
@@ -304,3 +308,46 @@ def largest_batch_rows(result: dict, pattern: str) -> list[dict]:
         if row["batch"] >= best.get(row["context_len"], {"batch": 0})["batch"]:
             best[row["context_len"]] = row
     return [best[S] for S in sorted(best)]
+
+
+def batch_one_rows(result: dict, pattern: str) -> list[dict]:
+    """From a `bench_decode_throughput` result, the measured rows of `pattern` at batch 1, ordered by context
+    length (rows marked `"skipped"` are left out)."""
+    rows = [
+        row
+        for row in result["rows"]
+        if row["pattern"] == pattern and row["batch"] == 1 and not row.get("skipped")
+    ]
+    return sorted(rows, key=lambda row: row["context_len"])
+
+
+def weight_bytes(config: HybridConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of the parameters of a `HybridLM` built from `config` (tied embeddings counted once).
+
+    The model is built on PyTorch's "meta" device, which records shapes without allocating memory, so this
+    is cheap even for a model far larger than the machine's memory.
+    """
+    with torch.device("meta"):
+        model = HybridLM(config)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn) -> int:
+    """The number of PyTorch (ATen) operations that calling `fn()` dispatches, views and allocations included.
+
+    Every such operation is a separate call from Python into PyTorch, and on a GPU most of them launch a kernel;
+    at a small batch a decoding step's time is largely the fixed cost of that chain.
+    """
+    with torch.no_grad(), _OpCounter() as counter:
+        fn()
+    return counter.count

@@ -5,6 +5,8 @@ import torch
 
 from kda_edu.costs import cache_bytes
 from kda_edu.inference import (
+    batch_one_rows,
+    count_ops,
     decode_step_bytes,
     decode_step_seconds,
     decode_throughput,
@@ -14,6 +16,7 @@ from kda_edu.inference import (
     measure_cache_bytes,
     mla_append_seconds,
     synthetic_cache,
+    weight_bytes,
 )
 from kda_edu.kda_layer import KDAConfig
 from kda_edu.mla import MLA, MLACache, MLAConfig
@@ -109,6 +112,26 @@ def test_largest_batch_rows_leave_out_skipped_rows():
     assert [(r["context_len"], r["batch"]) for r in picked] == [(4, 2), (8, 1)]
 
 
+def test_batch_one_rows_are_ordered_and_leave_out_skipped_rows():
+    rows = [
+        {"pattern": "A", "context_len": 8, "batch": 1, "tokens_per_s": 1.0},
+        {"pattern": "A", "context_len": 8, "batch": 4, "tokens_per_s": 3.0},
+        {"pattern": "A", "context_len": 4, "batch": 1, "tokens_per_s": 2.0},
+        {"pattern": "A", "context_len": 16, "batch": 1, "skipped": "time limit"},
+        {"pattern": "K", "context_len": 4, "batch": 1, "tokens_per_s": 3.0},
+    ]
+    picked = batch_one_rows({"rows": rows}, "A")
+    assert [(r["context_len"], r["tokens_per_s"]) for r in picked] == [(4, 2.0), (8, 1.0)]
+
+
+def test_weight_bytes_count_the_parameters_without_allocating_them():
+    torch.manual_seed(0)
+    for tie in (True, False):
+        config = HybridConfig.from_dict({**CONFIG.to_dict(), "tie_embeddings": tie})
+        numbers = sum(p.numel() for p in HybridLM(config).parameters())
+        assert weight_bytes(config) == 2 * numbers and weight_bytes(config, dtype_bytes=4) == 4 * numbers
+
+
 def load_benchmark():
     import importlib.util
     from pathlib import Path
@@ -160,3 +183,12 @@ def test_decode_benchmark_skips_a_point_that_runs_out_of_memory(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--time-limit-s", "0", "--out", str(out)])
     bench.main()
     assert all(r["skipped"].startswith("time limit") for r in json.loads(out.read_text())["rows"])
+
+
+def test_count_ops_counts_dispatched_operations():
+    x = torch.ones(3)
+    assert count_ops(lambda: None) == 0
+    assert count_ops(lambda: x + 1) == 1
+    assert count_ops(lambda: (x * 2).sum()) == 2
+    layer = MLA(16, CONFIG.mla)
+    assert count_ops(lambda: layer(torch.randn(1, 1, 16), cache=layer.new_cache())) > 5

@@ -113,27 +113,11 @@ def _diag_span(gc_a, BC: tl.constexpr):
 
 
 @triton.jit
-def _diag_gram(a_a, b_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
-    """M_ij = sum_c a_ic b_jc 2^(gc_ic - gc_jc) for one 16 x 16 diagonal block (entries j > i are junk)."""
-    mid, span = _diag_span(gc_a, BC)
-    if span <= _DIAG_LIMIT:
-        M = tl.dot(a_a * tl.exp2(gc_a - mid[None, :]), tl.trans(b_a * tl.exp2(mid[None, :] - gc_a)),
-                   input_precision=PREC)  # fmt: skip
-    else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
-        rc = tl.arange(0, BC)
-        M = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(BC):
-            pick = (rc == j)[:, None]
-            b_j = tl.sum(tl.where(pick, b_a, 0.0), axis=0)
-            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0))
-            M = tl.where(rc[None, :] == j, tl.sum(a_a * b_j[None, :] * e, axis=1)[:, None], M)
-    return M
-
-
-@triton.jit
 def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
-    """`_diag_gram` of (k_a, k_a) and (q_a, k_a) together: one span test, one pairwise loop."""
+    """The 16 x 16 diagonal blocks of the two gated Gram matrices of one block of rows, together:
+    Mk_ij = sum_c k_ic k_jc 2^(gc_ic - gc_jc) and Mq_ij = sum_c q_ic k_jc 2^(gc_ic - gc_jc) (entries j > i are
+    junk). Anchored at the block's middle row when its half-block gate sums allow it (`_diag_span`), else the
+    exact pairwise form."""
     mid, span = _diag_span(gc_a, BC)
     if span <= _DIAG_LIMIT:
         col = tl.trans(k_a * tl.exp2(mid[None, :] - gc_a))

@@ -68,7 +68,7 @@ from kda_edu.triton.chunk import (
     _DIAG_LIMIT,
     _chunk_kda_fwd,
     _chunk_span,
-    _diag_gram,
+    _diag_grams,
     _diag_span,
     _load_rows,
     _pow2,
@@ -166,8 +166,9 @@ def _prepare_kernel(
         a_off = tl.dot(k_a * row_f, k_col, input_precision=PREC)  # [BC, BT], zero from column a*BC on
         aqk_off = tl.dot(qs_a * row_f, k_col, input_precision=PREC)
         rhs = tl.where(diag, 1.0, 0.0) - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
-        a_dd = tl.where(rc[:, None] > rc[None, :], _diag_gram(k_a, k_a, gc_a, BC, PREC), 0.0)
-        aqk_dd = tl.where(rc[:, None] >= rc[None, :], _diag_gram(qs_a, k_a, gc_a, BC, PREC), 0.0)
+        a_dd, aqk_dd = _diag_grams(k_a, qs_a, gc_a, BC, PREC)
+        a_dd = tl.where(rc[:, None] > rc[None, :], a_dd, 0.0)
+        aqk_dd = tl.where(rc[:, None] >= rc[None, :], aqk_dd, 0.0)
         row_off = (row0 + a * BC + rc)[:, None] * BT
         inside = (rows >= a * BC) & (rows < (a + 1) * BC)
         tl.store(aqk + row_off + rows[None, :], aqk_off.to(aqk.dtype.element_ty), mask=(~inside)[None, :])

@@ -168,6 +168,28 @@ def _store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
 
 
 @triton.jit
+def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
+    """The chunk's four 16-row blocks of keys and base-2 gates in key columns `cols`: k_a, the within-block
+    gate cumsums l_a (<= 0) and the block gate sums s_a ([1, len(cols)]), for a = 0..3."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    rc = tl.arange(0, BC)
+    last = (rc == BC - 1)[:, None]
+    k0 = _load_rows(k_h, rc, H * K, cols, K, n_t).to(tl.float32)
+    k1 = _load_rows(k_h, BC + rc, H * K, cols, K, n_t).to(tl.float32)
+    k2 = _load_rows(k_h, 2 * BC + rc, H * K, cols, K, n_t).to(tl.float32)
+    k3 = _load_rows(k_h, 3 * BC + rc, H * K, cols, K, n_t).to(tl.float32)
+    l0 = tl.cumsum(_load_rows(g_h, rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+    l1 = tl.cumsum(_load_rows(g_h, BC + rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+    l2 = tl.cumsum(_load_rows(g_h, 2 * BC + rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+    l3 = tl.cumsum(_load_rows(g_h, 3 * BC + rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+    s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
+    s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
+    s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
+    s3 = tl.sum(tl.where(last, l3, 0.0), axis=0)[None, :]
+    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3
+
+
+@triton.jit
 def _chunk_prepare_kernel(
     q,
     k,
@@ -205,7 +227,6 @@ def _chunk_prepare_kernel(
     blocks of I + L. Pass 2: w and kd by block forward substitution; pass 3: u the same way.
     """
     tl.static_assert(BT == 4 * BC)
-    LOG2E: tl.constexpr = 1.4426950408889634
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -229,17 +250,7 @@ def _chunk_prepare_kernel(
     a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0 = _load_rows(k_h, t_0, H * K, cols, K, n_t).to(tl.float32)
-        k1 = _load_rows(k_h, t_1, H * K, cols, K, n_t).to(tl.float32)
-        k2 = _load_rows(k_h, t_2, H * K, cols, K, n_t).to(tl.float32)
-        k3 = _load_rows(k_h, t_3, H * K, cols, K, n_t).to(tl.float32)
-        l0 = tl.cumsum(_load_rows(g_h, t_0, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        l1 = tl.cumsum(_load_rows(g_h, t_1, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        l2 = tl.cumsum(_load_rows(g_h, t_2, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        l3 = tl.cumsum(_load_rows(g_h, t_3, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        s0 = tl.sum(tl.where((rc == BC - 1)[:, None], l0, 0.0), axis=0)[None, :]  # block gate sums
-        s1 = tl.sum(tl.where((rc == BC - 1)[:, None], l1, 0.0), axis=0)[None, :]
-        s2 = tl.sum(tl.where((rc == BC - 1)[:, None], l2, 0.0), axis=0)[None, :]
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _ = _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC)
         c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
 
         q0 = _load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
@@ -301,18 +312,7 @@ def _chunk_prepare_kernel(
     # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0 = _load_rows(k_h, t_0, H * K, cols, K, n_t).to(tl.float32)
-        k1 = _load_rows(k_h, t_1, H * K, cols, K, n_t).to(tl.float32)
-        k2 = _load_rows(k_h, t_2, H * K, cols, K, n_t).to(tl.float32)
-        k3 = _load_rows(k_h, t_3, H * K, cols, K, n_t).to(tl.float32)
-        l0 = tl.cumsum(_load_rows(g_h, t_0, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        l1 = tl.cumsum(_load_rows(g_h, t_1, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        l2 = tl.cumsum(_load_rows(g_h, t_2, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        l3 = tl.cumsum(_load_rows(g_h, t_3, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-        s0 = tl.sum(tl.where((rc == BC - 1)[:, None], l0, 0.0), axis=0)[None, :]
-        s1 = tl.sum(tl.where((rc == BC - 1)[:, None], l1, 0.0), axis=0)[None, :]
-        s2 = tl.sum(tl.where((rc == BC - 1)[:, None], l2, 0.0), axis=0)[None, :]
-        s3 = tl.sum(tl.where((rc == BC - 1)[:, None], l3, 0.0), axis=0)[None, :]
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3 = _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC)
         r0, r1, r2, r3 = _solve(
             b0 * k0 * tl.exp2(l0), b1 * k1 * tl.exp2(l1 + s0), b2 * k2 * tl.exp2(l2 + s0 + s1),
             b3 * k3 * tl.exp2(l3 + s0 + s1 + s2), x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
@@ -342,6 +342,18 @@ def _chunk_prepare_kernel(
         _store_block(u, row0, 1, BC, BV, cols, r1)
         _store_block(u, row0, 2, BC, BV, cols, r2)
         _store_block(u, row0, 3, BC, BV, cols, r3)
+
+
+@triton.jit
+def _seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
+    """First chunk (global index) and number of chunks of sequence i_n (a batch row without cu_seqlens)."""
+    if IS_VARLEN:
+        c0 = tl.load(offsets + i_n)
+        n_chunks = tl.load(offsets + i_n + 1) - c0
+    else:
+        c0 = i_n * NT
+        n_chunks = NT
+    return c0, n_chunks
 
 
 @triton.jit
@@ -377,16 +389,13 @@ def _chunk_scan_kernel(
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
+    c0, n_chunks = _seq_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-        n_chunks = tl.cdiv(eos - bos, BT)
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
-        c0 = i_n.to(tl.int64) * NT
-        n_chunks = NT
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
@@ -397,17 +406,17 @@ def _chunk_scan_kernel(
     if USE_H0:
         S += tl.load(h0 + s_off, mask=s_mask, other=0.0)
 
-    base = (i_hv * NCH + c0) * BT
     o_h = o + i_hv * V
     for n in range(n_chunks):
-        r = (base + n * BT + rows)[:, None]
+        c = (i_hv * NCH + c0 + n).to(tl.int64)  # the chunk's index in the intermediates
+        r = (c * BT + rows)[:, None]
         w_n = tl.load(w + r * BK + ck[None, :])
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
         a_n = tl.where(rows[:, None] >= rows[None, :], a_n, 0.0)  # blocks above the diagonal: never written
-        decay = tl.load(gl + ((i_hv * NCH + c0 + n) * BK + ck))
+        decay = tl.load(gl + c * BK + ck)
 
         s_lo = S.to(w_n.dtype)
         u_n = u_n.to(tl.float32) - tl.dot(w_n, s_lo, input_precision=PREC)

@@ -72,6 +72,7 @@ from kda_edu.triton.chunk import (
     _diag_span,
     _load_rows,
     _pow2,
+    _seq_chunks,
     _unit_lower_inverse,
     chunk_layout,
 )
@@ -107,6 +108,16 @@ def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, gc_a, BC: tl.constexpr, PREC: tl.con
             da_qk += eq * kj
             db = tl.where(pick, tl.sum(ea * bk_a + eq * qs_a, axis=0)[None, :], db)
     return da_kk, da_qk, db
+
+
+@triton.jit
+def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
+    """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t)."""
+    k_a = _load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
+    qs_a = _load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
+    g_a = _load_rows(g_h, ta, HV * K, ck, K, n_t).to(tl.float32) * 1.4426950408889634
+    beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
+    return k_a, qs_a, g_a, beta_a
 
 
 @triton.jit
@@ -153,10 +164,7 @@ def _prepare_kernel(
     start = tl.zeros([BK], dtype=tl.float32)
     for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
         ta = a * BC + rc
-        k_a = _load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
-        qs_a = _load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
-        g_a = _load_rows(g_h, ta, HV * K, ck, K, n_t).to(tl.float32) * L2E
-        beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
+        k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
         gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         diag = rows[None, :] == (a * BC + rc)[:, None]  # [BC, BT]: column of row i's own step
         # Columns before the block, anchored at its start boundary: both exponents <= 0 (all zero for a = 0).
@@ -196,18 +204,6 @@ def _prepare_kernel(
         (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
     )
     tl.store(gl + row0 // BT * BK + ck, tl.exp2(gc_end))
-
-
-@triton.jit
-def _seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
-    """First chunk (global index) and number of chunks of sequence i_n (a batch row without cu_seqlens)."""
-    if IS_VARLEN:
-        c0 = tl.load(offsets + i_n)
-        n_chunks = tl.load(offsets + i_n + 1) - c0
-    else:
-        c0 = i_n * NT
-        n_chunks = NT
-    return c0, n_chunks
 
 
 @triton.jit
@@ -421,10 +417,7 @@ def _local_k_kernel(
     start = tl.zeros([BK], dtype=tl.float32)
     for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
         ta = a * BC + rc
-        k_a = _load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
-        qs_a = _load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
-        g_a = _load_rows(g_h, ta, HV * K, ck, K, n_t).to(tl.float32) * L2E
-        beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
+        k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
         gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         bk_a = beta_a[:, None] * k_a
         m_rows = (c * BT + a * BC + rc)[:, None] * BT

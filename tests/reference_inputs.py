@@ -110,3 +110,15 @@ def edge_case(name: str, with_state: bool) -> dict:
     B, T, H, HV, K, V, C = EDGE_CASES[name]
     seed = list(EDGE_CASES).index(name)
     return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=seed)
+
+
+# Bad cu_seqlens for T = 4 with the error each must raise (fused_recurrent_kda and chunk_kda share the check).
+BAD_CU_SEQLENS = [
+    ([1, 2, 4], ValueError, "start at 0 and end at T = 4"),
+    ([0, 2, 3], ValueError, "start at 0 and end at T = 4"),
+    ([0, 3, 2, 4], ValueError, "nondecreasing"),
+    ([0], ValueError, "N \\+ 1 >= 2"),
+    ([[0, 4]], ValueError, "1-D"),
+    ([0.0, 4.0], TypeError, "int32 or int64"),
+]
+BAD_CU_IDS = ["not_from_0", "not_to_T", "decreasing", "one_entry", "2d", "float"]

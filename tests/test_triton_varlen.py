@@ -7,7 +7,7 @@ On a CPU everything runs through Triton's interpreter in float32, tiny shapes; o
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_inputs import kda_oracle, rel_err
+from reference_inputs import BAD_CU_IDS, BAD_CU_SEQLENS, kda_oracle, rel_err
 
 from kda_edu.triton import chunk_kda
 
@@ -105,18 +105,7 @@ def test_varlen_without_final_state():
     assert rel_err(o, o_ref) <= TOL
 
 
-@pytest.mark.parametrize(
-    "cu, error, message",
-    [
-        ([1, 2, 4], ValueError, "start at 0 and end at T = 4"),
-        ([0, 2, 3], ValueError, "start at 0 and end at T = 4"),
-        ([0, 3, 2, 4], ValueError, "nondecreasing"),
-        ([0], ValueError, "N \\+ 1 >= 2"),
-        ([[0, 4]], ValueError, "1-D"),
-        ([0.0, 4.0], TypeError, "int32 or int64"),
-    ],
-    ids=["not_from_0", "not_to_T", "decreasing", "one_entry", "2d", "float"],
-)
+@pytest.mark.parametrize("cu, error, message", BAD_CU_SEQLENS, ids=BAD_CU_IDS)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_bad_cu_seqlens_raise(cu, error, message, grad):
     """Checked before any kernel runs, with and without autograd (the backward would trust the table)."""

@@ -16,7 +16,11 @@ norm, and the state size `H x K x V`:
     "attention"         softmax attention over all earlier tokens  none (no state: a cache that grows)
 
 The recurrences run in their chunked PyTorch forms (`linear_attention_chunked`, `delta_rule_chunked`,
-`gated_delta_chunked`, `kda_chunked`), which are differentiable and far faster on a CPU than the loop.
+`gated_delta_chunked`, `kda_chunked`), which are differentiable and far faster on a CPU than the loop. With
+`backend="triton"` the three delta-rule mixers run through the book's Triton kernel `kda_edu.triton.chunk_kda`
+instead (forward and backward): DeltaNet is KDA with g = 0, Gated DeltaNet is KDA with its per-head gate copied
+to every key channel. On a GPU that replaces thousands of small PyTorch operations per training step with a few
+kernels; linear attention and attention have no such kernel here and stay in PyTorch.
 "attention" keeps the same layer around `kda_edu.attention.softmax_attention`: its scores are the cosines of the
 L2-normalised q and k times a learned temperature per head (starting at sqrt(K)), since a softmax over scores in
 [-1, 1] could not pick one token out of many. It is the reference with unbounded memory. No mixer has a positional
@@ -42,6 +46,7 @@ from kda_edu.kda_layer import GatedRMSNorm, ShortConv
 from kda_edu.linear_attention import linear_attention_chunked
 
 KINDS = ("linear_attention", "deltanet", "gated_deltanet", "kda", "attention")
+BACKENDS = ("torch", "triton")
 LABELS = {
     "linear_attention": "linear attention",
     "deltanet": "DeltaNet",
@@ -61,7 +66,9 @@ class MixerConfig:
         head_dim: K = V, the width of q, k and v per head; the state of a linear mixer is `H x K x K`.
         conv_size: kernel width of the short convolution on q, k and v.
         gate_rank: inner width of the low-rank KDA decay projection and of the output gate.
-        chunk_size: chunk length of the chunked recurrences.
+        chunk_size: chunk length of the chunked recurrences (the Triton kernel's chunk is always 64).
+        backend: `"torch"` (the chunked PyTorch forms) or `"triton"` (`kda_edu.triton.chunk_kda` for
+            "deltanet", "gated_deltanet" and "kda"; the same as "torch" for the other kinds).
     """
 
     kind: str = "kda"
@@ -70,10 +77,13 @@ class MixerConfig:
     conv_size: int = 4
     gate_rank: int = 16
     chunk_size: int = 32
+    backend: str = "torch"
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"MixerConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MixerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("num_heads", "head_dim", "conv_size", "gate_rank", "chunk_size"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ValueError(f"MixerConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -144,15 +154,31 @@ class TokenMixer(nn.Module):
             else:
                 beta = beta_sigmoid(self.b_proj(x))
                 if cfg.kind == "deltanet":
-                    o, _ = delta_rule_chunked(q, k, v, beta, chunk_size=C)
+                    g = None
                 elif cfg.kind == "gated_deltanet":
-                    g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias)
-                    o, _ = gated_delta_chunked(q, k, v, g, beta, chunk_size=C)
+                    g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias)  # [B, T, H]
                 else:
-                    g = kda_gate(self.f_proj(x).view(B, T, H, K), self.A_log, self.dt_bias)
-                    o, _ = kda_chunked(q, k, v, g, beta, chunk_size=C)
+                    g = kda_gate(self.f_proj(x).view(B, T, H, K), self.A_log, self.dt_bias)  # [B, T, H, K]
+                o = self._delta_rule(q, k, v, g, beta)
         o = self.o_norm(o, self.g_up(self.g_down(x)).view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _delta_rule(self, q, k, v, g, beta) -> torch.Tensor:
+        """DeltaNet (g None), Gated DeltaNet (g `[B, T, H]`) or KDA (g `[B, T, H, K]`), by the config's backend."""
+        C = self.config.chunk_size
+        if self.config.backend == "triton":
+            from kda_edu.triton import chunk_kda  # imported on use: `import kda_edu` never imports Triton
+
+            if g is None:
+                g = torch.zeros_like(k, dtype=torch.float32)
+            elif g.dim() == 3:
+                g = g[..., None].expand_as(k)
+            return chunk_kda(q, k, v, g, beta)[0]
+        if g is None:
+            return delta_rule_chunked(q, k, v, beta, chunk_size=C)[0]
+        if g.dim() == 3:
+            return gated_delta_chunked(q, k, v, g, beta, chunk_size=C)[0]
+        return kda_chunked(q, k, v, g, beta, chunk_size=C)[0]
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kda_edu.mixers import KINDS, LABELS, MixerConfig, RecallConfig
+from kda_edu.mixers import KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
 from kda_edu.tasks import make_task, task_to_dict
 from kda_edu.train import TrainConfig, train
 
@@ -49,10 +49,11 @@ PRESETS = {
         "lrs": [2e-3, 5e-3],
     },
     # The GPU sweep: the report's model shape (2 layers, 2 heads; head dim 64 here), lengths up to 1024.
-    # 180 runs; meant for several GPUs (`--workers` processes spread over them) in parts of `--max-minutes`.
+    # 180 runs, in parts of `--max-minutes`. The delta-rule mixers run through the Triton kernel: their
+    # chunked PyTorch forms launch thousands of small kernels per step, which is what a GPU does worst.
     "gpu": {
         "model": {"d_model": 128, "n_layers": 2, "ffn_hidden": 256},
-        "mixer": {"num_heads": 2, "head_dim": 64, "chunk_size": 64},
+        "mixer": {"num_heads": 2, "head_dim": 64, "chunk_size": 64, "backend": "triton"},
         "train": {"steps": 1500, "batch_size": 64, "warmup": 100, "eval_every": 100, "eval_size": 512},
         "tasks": {
             "mqar": {
@@ -134,6 +135,20 @@ def run_one(preset: dict, spec: dict, device: str = "cpu", threads: int | None =
     }
 
 
+def warm_up_kernels(preset: dict) -> None:
+    """Compile the Triton kernels the preset's delta-rule mixers use, once, in this process: they land in
+    Triton's on-disk cache, so the worker processes load them instead of each compiling its own copy."""
+    t0 = time.perf_counter()
+    for kind in ("deltanet", "gated_deltanet", "kda"):
+        mixer = TokenMixer(preset["model"]["d_model"], MixerConfig(kind=kind, **preset["mixer"])).cuda()
+        x = torch.randn(2, 128, preset["model"]["d_model"], device="cuda", requires_grad=True)
+        mixer(x).sum().backward()
+        with torch.no_grad():
+            mixer(x)
+    torch.cuda.synchronize()
+    print(f"Triton kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def load_results(path: str | os.PathLike) -> dict:
     """The JSON written by `run_sweep`."""
     return json.loads(Path(path).read_text())
@@ -197,6 +212,8 @@ def run_sweep(
     )
     start = time.perf_counter()
     gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if todo and device == "cuda" and preset["mixer"].get("backend") == "triton":
+        warm_up_kernels(preset)
 
     def place(i: int) -> str:
         return f"cuda:{i % gpus}" if gpus else "cpu"

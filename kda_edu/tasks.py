@@ -205,12 +205,12 @@ class Stack:
     def vocab_size(self) -> int:
         return 1 + self.num_values + 2 * self.num_stacks
 
-    def push_token(self, s: int) -> int:
-        """The token id of `PUSH_s`."""
+    def push_token(self, s: int | np.ndarray) -> int | np.ndarray:
+        """The token id of `PUSH_s` (elementwise for an array of stack indices)."""
         return 1 + self.num_values + s
 
-    def pop_token(self, s: int) -> int:
-        """The token id of `POP_s`."""
+    def pop_token(self, s: int | np.ndarray) -> int | np.ndarray:
+        """The token id of `POP_s` (elementwise for an array of stack indices)."""
         return 1 + self.num_values + self.num_stacks + s
 
     def sample(self, n: int, seed: int) -> TaskBatch:
@@ -221,7 +221,7 @@ class Stack:
         small-array operations cost a fraction of PyTorch's, which matters at T = 1024 on every step)."""
         _check_int("n", n, 1)
         gen = _generator(seed)
-        S, n_ops, base = self.num_stacks, self.seq_len // 2, 1 + self.num_values
+        S, n_ops = self.num_stacks, self.seq_len // 2
         draws = [
             (
                 torch.rand(n, generator=gen),
@@ -259,7 +259,7 @@ class Stack:
         popped[1:] = pushed[:-1]
         arg = np.empty_like(pushed)
         arg[order] = np.where(push.ravel()[order], pushed, popped)
-        ops = np.where(push, base + stack, base + S + stack).T  # [n, n_ops]
+        ops = np.where(push, self.push_token(stack), self.pop_token(stack)).T  # [n, n_ops]
         args, pops = arg.reshape(n_ops, n).T, ~push.T
         inputs = torch.from_numpy(np.stack([ops, args], axis=2).reshape(n, self.seq_len))
         mask = torch.from_numpy(np.stack([pops, np.zeros_like(pops)], axis=2).reshape(n, self.seq_len))

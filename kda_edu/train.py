@@ -9,6 +9,13 @@ task, and evaluates token accuracy on held-out sequences every `eval_every` step
 - the gradient's global norm clipped to `grad_clip`;
 - loss: cross entropy on the scored positions of the task (`TaskBatch.mask`) only.
 
+On a CUDA device `cuda_graph=True` records one whole training step (forward, backward, clipping, AdamW) as a
+CUDA graph after three ordinary steps, and replays it for every later step. The small models of chapter 12
+launch a few hundred short kernels a step; launching them one by one from Python costs more time than running
+them, and a replayed graph launches them all at once. The steps compute the same operations on the same
+data; AdamW then keeps its step count and learning rate on the GPU (`capturable=True`), which rounds a little
+differently from the default AdamW, so a graphed run and an ordinary one agree closely but not bit for bit.
+
 Determinism: the model is initialised from `torch.manual_seed(seed)` (inside `torch.random.fork_rng`, so the
 caller's random state is left alone); the training batch of step s is `task.sample(batch_size,
 data_seed(seed, s))` and the evaluation set is one sample with another seed, so the data depend only on the
@@ -53,6 +60,7 @@ class TrainConfig:
         eval_every: evaluate (and record the history) every this many steps, and at the last step.
         eval_size: number of held-out sequences.
         seed: the seed of the initialisation and of the data.
+        cuda_graph: replay each training step as one CUDA graph (CUDA devices only; see the module doc).
     """
 
     steps: int = 500
@@ -65,6 +73,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_size: int = 256
     seed: int = 0
+    cuda_graph: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "eval_size"):
@@ -126,10 +135,13 @@ def masked_loss_and_accuracy(logits: torch.Tensor, batch: TaskBatch) -> tuple[to
     Returns:
         `(loss, accuracy)`, two scalar tensors; the loss carries the gradient.
     """
-    scored = logits[batch.mask]  # [N, vocab]
-    target = batch.targets[batch.mask]
-    loss = F.cross_entropy(scored.float(), target)
-    return loss, (scored.argmax(dim=-1) == target).float().mean()
+    # Weighted by the mask rather than indexed with it: indexing would make the CPU wait for the GPU to count
+    # the scored positions, which a CUDA graph cannot hold.
+    weight = batch.mask.float()
+    count = weight.sum()
+    ce = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none")
+    hits = (logits.argmax(dim=-1) == batch.targets).float()
+    return (ce.view_as(weight) * weight).sum() / count, (hits * weight).sum() / count
 
 
 @torch.no_grad()
@@ -162,7 +174,52 @@ def make_optimizer(model: RecallLM, config: TrainConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if config.cuda_graph:  # the learning rate is a tensor that the graph reads, and is refilled every step
+        lr = torch.tensor(config.lr, device=decay[0].device)
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), capturable=True)
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def train_step(model: RecallLM, optimizer: torch.optim.Optimizer, batch: TaskBatch, grad_clip: float):
+    """One optimiser step on `batch`: loss, backward, gradient clipping, AdamW. Returns the (detached) loss."""
+    loss, _ = masked_loss_and_accuracy(model(batch.inputs), batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
+GRAPH_WARMUP_STEPS = 3  # ordinary steps before the capture: they create AdamW's state and compile the kernels
+
+
+class _GraphedStep:
+    """`train_step` recorded once as a CUDA graph on fixed input buffers, then replayed with each new batch.
+
+    Capturing records the kernels without running them; every call copies its batch into the buffers and
+    replays the whole step. The parameters, gradients and AdamW state are the same tensors throughout, so
+    evaluations and checkpoints between replays see the current model."""
+
+    def __init__(self, model, optimizer, batch: TaskBatch, grad_clip: float):
+        self.batch = TaskBatch(batch.inputs.clone(), batch.targets.clone(), batch.mask.clone())
+        optimizer.zero_grad(set_to_none=True)  # the captured backward writes fresh gradients
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = train_step(model, optimizer, self.batch, grad_clip)
+
+    def __call__(self, batch: TaskBatch) -> torch.Tensor:
+        for buffer, new in zip(
+            (self.batch.inputs, self.batch.targets, self.batch.mask),
+            (batch.inputs, batch.targets, batch.mask),
+            strict=True,
+        ):
+            if buffer.shape != new.shape:
+                raise ValueError(
+                    f"a CUDA-graphed step needs batches of one shape {tuple(buffer.shape)}, got {tuple(new.shape)}"
+                )
+            buffer.copy_(new, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()  # the next replay overwrites self.loss
 
 
 def train(
@@ -195,6 +252,15 @@ def train(
         raise ValueError(f"model vocab_size {model_config.vocab_size} < task vocab_size {task.vocab_size}")
     if resume and checkpoint is None:
         raise ValueError("resume=True needs a checkpoint path")
+    if config.cuda_graph and torch.device(device).type != "cuda":
+        raise ValueError(f"TrainConfig.cuda_graph=True needs a CUDA device, got device={device!r}")
+    mixer = model_config.mixer
+    if config.cuda_graph and mixer.backend == "torch" and mixer.kind in ("deltanet", "gated_deltanet", "kda"):
+        raise ValueError(
+            f"TrainConfig.cuda_graph=True cannot record the {mixer.kind!r} mixer with backend='torch': its PyTorch "
+            "form checks the gate and beta values, which makes the CPU wait for the GPU inside the step; use "
+            "MixerConfig(backend='triton')"
+        )
     model = build_model(model_config, config.seed).to(device)
     optimizer = make_optimizer(model, config)
     start, history = 0, []
@@ -204,26 +270,38 @@ def train(
     end = config.steps if stop_after is None else min(stop_after, config.steps)
 
     model.train()
+    # Training losses are kept on the device until an evaluation reads them: a `.item()` every step would make
+    # the CPU wait for the GPU each step instead of sampling the next batch while the GPU works.
     losses, t0 = [], time.perf_counter()
+    graph, side = None, torch.cuda.Stream(device) if config.cuda_graph else None
     bar = tqdm(range(start, end), total=end, initial=start, disable=not progress, leave=False, ncols=90)
     for step in bar:
         lr = lr_at(step, config)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # the graph reads this tensor
+            else:
+                group["lr"] = lr
         batch = task.sample(config.batch_size, data_seed(config.seed, step)).to(device)
-        loss, _ = masked_loss_and_accuracy(model(batch.inputs), batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
+        if config.cuda_graph and graph is None and step - start >= GRAPH_WARMUP_STEPS:
+            graph = _GraphedStep(model, optimizer, batch, config.grad_clip)
+        if graph is not None:
+            loss = graph(batch)
+        elif side is not None:  # the ordinary steps before a capture run on a side stream, as CUDA graphs ask
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                loss = train_step(model, optimizer, batch, config.grad_clip)
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            loss = train_step(model, optimizer, batch, config.grad_clip)
+        losses.append(loss)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             eval_loss, eval_acc = evaluate(model, eval_set)
             history.append(
                 {
                     "step": step + 1,
                     "lr": lr,
-                    "train_loss": sum(losses) / len(losses),
+                    "train_loss": sum(torch.stack(losses).tolist()) / len(losses),
                     "eval_loss": eval_loss,
                     "eval_acc": eval_acc,
                 }

@@ -1,6 +1,7 @@
 """The training loop: the schedule, a tiny run that must learn, determinism, and exact resumption."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from kda_edu.mixers import MixerConfig, RecallConfig
 from kda_edu.recall_sweep import PRESETS, run_specs, summarize, task_for
 from kda_edu.tasks import MQAR
-from kda_edu.train import TrainConfig, lr_at, train
+from kda_edu.train import TrainConfig, lr_at, masked_loss_and_accuracy, train
 
 TASK = MQAR(seq_len=16, num_pairs=2, num_keys=4, num_values=4)
 MODEL = RecallConfig(
@@ -73,3 +74,39 @@ def test_sweep_presets_build_their_tasks_and_summaries_pick_the_best_rate():
     (row,) = summarize(runs)
     assert row["best_lr"] == 3e-3 and row["mean"] == pytest.approx(0.75)
     assert (row["min"], row["max"], row["n_seeds"]) == (0.6, 0.9, 2)
+
+
+def test_cuda_graph_needs_a_cuda_device_and_a_capturable_mixer():
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+        train(TASK, MODEL, TrainConfig(steps=2, cuda_graph=True), progress=False)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='triton'"):  # MODEL: DeltaNet in PyTorch
+            train(TASK, MODEL, TrainConfig(steps=2, cuda_graph=True), device="cuda", progress=False)
+
+
+def test_masked_loss_counts_only_scored_positions():
+    """The mask-weighted loss and accuracy equal the plain ones over the scored positions alone."""
+    torch.manual_seed(0)
+    batch = TASK.sample(8, 5)
+    logits = torch.randn(8, TASK.seq_len, TASK.vocab_size)
+    loss, acc = masked_loss_and_accuracy(logits, batch)
+    scored, target = logits[batch.mask], batch.targets[batch.mask]
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(scored, target), rtol=1e-6)
+    assert torch.allclose(acc, (scored.argmax(-1) == target).float().mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("kind", ["linear_attention", "kda", "attention"])
+def test_cuda_graph_steps_match_ordinary_steps(kind):
+    """A run replayed as CUDA graphs follows the ordinary run: the same losses and accuracies, up to AdamW's
+    capturable rounding (the graph must also read every new batch and learning rate, or it would drift)."""
+    mixer = MixerConfig(kind, 2, 16, chunk_size=16, backend="triton")  # KDA through the Triton kernel
+    model = RecallConfig(vocab_size=TASK.vocab_size, d_model=32, ffn_hidden=64, mixer=mixer)
+    config = TrainConfig(steps=30, batch_size=16, lr=3e-3, warmup=4, eval_every=5, eval_size=64, seed=3)
+    runs = [
+        train(TASK, model, replace(config, cuda_graph=g), device="cuda", progress=False)
+        for g in (False, True)
+    ]
+    for a, b in zip(runs[0].history, runs[1].history, strict=True):
+        assert abs(a["train_loss"] - b["train_loss"]) <= 1e-3 * abs(a["train_loss"]), (a, b)
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-3 * abs(a["eval_loss"]), (a, b)

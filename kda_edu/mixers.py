@@ -47,6 +47,7 @@ from kda_edu.linear_attention import linear_attention_chunked
 
 KINDS = ("linear_attention", "deltanet", "gated_deltanet", "kda", "attention")
 BACKENDS = ("torch", "triton")
+KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 LABELS = {
     "linear_attention": "linear attention",
     "deltanet": "DeltaNet",
@@ -69,6 +70,10 @@ class MixerConfig:
         chunk_size: chunk length of the chunked recurrences (the Triton kernel's chunk is always 64).
         backend: `"torch"` (the chunked PyTorch forms) or `"triton"` (`kda_edu.triton.chunk_kda` for
             "deltanet", "gated_deltanet" and "kda"; the same as "torch" for the other kinds).
+        kernel_dtype: with `backend="triton"`, the dtype q, k and v are cast to for the kernel
+            (`"float32"`, `"bfloat16"` or `"float16"`; the gate and beta stay float32, the output is cast back).
+            float32 makes every product inside the kernel exact float32; the 16-bit dtypes take its tensor-core
+            path, as fla's kernels do in training. Only `"float32"` is allowed with `backend="torch"`.
     """
 
     kind: str = "kda"
@@ -78,12 +83,22 @@ class MixerConfig:
     gate_rank: int = 16
     chunk_size: int = 32
     backend: str = "torch"
+    kernel_dtype: str = "float32"
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"MixerConfig.kind must be one of {KINDS}, got {self.kind!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"MixerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.kernel_dtype not in KERNEL_DTYPES:
+            raise ValueError(
+                f"MixerConfig.kernel_dtype must be one of {KERNEL_DTYPES}, got {self.kernel_dtype!r}"
+            )
+        if self.backend == "torch" and self.kernel_dtype != "float32":
+            raise ValueError(
+                f"MixerConfig.kernel_dtype={self.kernel_dtype!r} needs backend='triton' (the PyTorch forms run in "
+                "the model's dtype)"
+            )
         for name in ("num_heads", "head_dim", "conv_size", "gate_rank", "chunk_size"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ValueError(f"MixerConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -173,7 +188,9 @@ class TokenMixer(nn.Module):
                 g = torch.zeros_like(k, dtype=torch.float32)
             elif g.dim() == 3:
                 g = g[..., None].expand_as(k)
-            return chunk_kda(q, k, v, g, beta)[0]
+            dtype = getattr(torch, self.config.kernel_dtype)
+            o = chunk_kda(q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta)[0]
+            return o.to(q.dtype)
         if g is None:
             return delta_rule_chunked(q, k, v, beta, chunk_size=C)[0]
         if g.dim() == 3:

@@ -70,3 +70,24 @@ def test_triton_backend_matches_the_chunked_pytorch_forms(kind):
 def test_backend_is_checked():
     with pytest.raises(ValueError, match="backend"):
         MixerConfig(backend="cuda")
+
+
+def test_kernel_dtype_is_checked():
+    with pytest.raises(ValueError, match="kernel_dtype must be one of"):
+        MixerConfig(backend="triton", kernel_dtype="float64")
+    with pytest.raises(ValueError, match="needs backend='triton'"):
+        MixerConfig(kernel_dtype="bfloat16")
+
+
+def test_bfloat16_kernel_stays_close_to_float32():
+    """kernel_dtype="bfloat16" rounds q, k, v for the kernel and returns the model's dtype."""
+    torch.manual_seed(0)
+    cfg = MixerConfig("kda", 2, 16, chunk_size=16, backend="triton")
+    layer = TokenMixer(32, cfg)
+    x = torch.randn(2, 70, 32, requires_grad=True)
+    y32 = layer(x)
+    layer.config = MixerConfig(**{**vars(cfg), "kernel_dtype": "bfloat16"})
+    y16 = layer(x)
+    y16.square().sum().backward()
+    assert y16.dtype == torch.float32 and bool(x.grad.isfinite().all())
+    assert (y16 - y32).norm() <= 1e-2 * y32.norm()

@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -53,8 +54,21 @@ PRESETS = {
     # chunked PyTorch forms launch thousands of small kernels per step, which is what a GPU does worst.
     "gpu": {
         "model": {"d_model": 128, "n_layers": 2, "ffn_hidden": 256},
-        "mixer": {"num_heads": 2, "head_dim": 64, "chunk_size": 64, "backend": "triton"},
-        "train": {"steps": 1500, "batch_size": 64, "warmup": 100, "eval_every": 100, "eval_size": 512},
+        "mixer": {
+            "num_heads": 2,
+            "head_dim": 64,
+            "chunk_size": 64,
+            "backend": "triton",
+            "kernel_dtype": "bfloat16",
+        },
+        "train": {
+            "steps": 1500,
+            "batch_size": 64,
+            "warmup": 100,
+            "eval_every": 100,
+            "eval_size": 512,
+            "cuda_graph": True,
+        },
         "tasks": {
             "mqar": {
                 "lengths": [256, 512, 1024],
@@ -216,21 +230,34 @@ def run_sweep(
     def place(i: int) -> str:
         return f"cuda:{i % gpus}" if gpus else "cpu"
 
+    # One fresh process per run (max_tasks_per_child=1): a run that breaks its CUDA context (an illegal memory
+    # access, say) cannot take later runs down with it. A run that fails is reported with its traceback and
+    # listed under "failed" in the file; the others go on, and the next invocation tries it again.
     with ProcessPoolExecutor(
-        max_workers=workers, mp_context=torch.multiprocessing.get_context("spawn")
+        max_workers=workers, mp_context=torch.multiprocessing.get_context("spawn"), max_tasks_per_child=1
     ) as pool:
-        pending, submitted = set(), 0
+        pending, submitted = {}, 0
         while todo or pending:
             out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
             while todo and len(pending) < workers and not out_of_time:
                 threads = 1  # per process; on a GPU the CPU only launches kernels and samples tasks
-                pending.add(pool.submit(run_one, preset, todo.pop(0), place(submitted), threads))
+                spec, where = todo.pop(0), place(submitted)
+                pending[pool.submit(run_one, preset, spec, where, threads)] = (spec, where)
                 submitted += 1
             if not pending:
                 break
             finished = next(as_completed(pending))
-            pending.remove(finished)
-            record = finished.result()
+            spec, where = pending.pop(finished)
+            try:
+                record = finished.result()
+            except Exception as error:  # noqa: BLE001 - recorded, and retried by the next invocation
+                text = "".join(traceback.format_exception(error))
+                print(f"FAILED {spec} on {where}:\n{text}", flush=True)
+                failed = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
+                data["failed"] = [*failed, {**spec, "error": text[-2000:]}]
+                _write(out, data)
+                continue
+            data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
             data["runs"].append(record)
             _write(out, data)
             print(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kda_edu.mixers import MixerConfig, RecallConfig
-from kda_edu.recall_sweep import PRESETS, run_specs, summarize, task_for
+from kda_edu.recall_sweep import PRESETS, run_specs, run_sweep, summarize, task_for
 from kda_edu.tasks import MQAR
 from kda_edu.train import TrainConfig, lr_at, masked_loss_and_accuracy, train
 
@@ -110,3 +110,21 @@ def test_cuda_graph_steps_match_ordinary_steps(kind):
     for a, b in zip(runs[0].history, runs[1].history, strict=True):
         assert abs(a["train_loss"] - b["train_loss"]) <= 1e-3 * abs(a["train_loss"]), (a, b)
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-3 * abs(a["eval_loss"]), (a, b)
+
+
+def test_sweep_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
+    """A run that raises is listed under "failed" with its traceback; the other runs are trained and saved,
+    and the next invocation tries the failed run again (here it fails again: MQAR at T = 64 needs 8 keys)."""
+    tiny = {
+        **PRESETS["quick"],
+        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_size": 4},
+        "tasks": {"mqar": {"lengths": [16, 64], "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
+        "mixers": ["linear_attention"],
+    }
+    monkeypatch.setitem(PRESETS, "tiny", tiny)
+    out = tmp_path / "sweep.json"
+    for _ in range(2):
+        data = run_sweep("tiny", out, workers=1, device="cpu")
+        assert [r["seq_len"] for r in data["runs"]] == [16]
+        assert [f["seq_len"] for f in data["failed"]] == [64] and "num_keys" in data["failed"][0]["error"]
+    assert out.with_suffix(".csv").read_text().count("\n") == 2  # header and the one finished run

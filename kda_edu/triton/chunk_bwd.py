@@ -412,7 +412,8 @@ def _chunk_kda_bwd(
 
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs. The defaults are the fastest of bench/tune_bwd.py's sweep on the H200
-    (bf16, (1, 8192, 32), K = V = 128: forward + backward 6.55 ms; bench/NOTES.md).
+    (bf16, (1, 8192, 32), K = V = 128; bench/NOTES.md). That sweep timed the build before local_v's FIRST
+    launch, whose gradients were wrong on the GPU: its times are to be measured again.
 
     With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
     B, T, H, K = q.shape
@@ -515,9 +516,13 @@ def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):
 
 
 def _local_v_stages(BK: int, itemsize: int) -> dict:
-    """Pipeline depth of `_local_v_kernel`. With float32 intermediates Triton's default (3 stages) asks for
-    more shared memory than a Hopper SM has (311 kB at K = 128, V = 64 on the H200; limit 227 kB): two
-    stages fit up to K = 128 (164 kB), one beyond (197 kB at K = V = 256; sizes from compiling for sm_90)."""
+    """Pipeline depth of `_local_v_kernel`, from BK = K padded (not the program's key block). With float32
+    intermediates Triton's default (3 stages) asked for more shared memory than a Hopper SM has when a program
+    held all K key channels (311 kB at K = 128, V = 64 on the H200; limit 227 kB): two stages fit up to
+    K = 128 (164 kB), one beyond (197 kB at K = V = 256; sizes from compiling for sm_90). A program now holds
+    lv_block channels, which needs less, so the rule errs on the safe side. Offline sm_90 compile of the split
+    kernel (Triton 3.9, float32, first key block, blocks of 64): 112 kB at 2 stages (208 kB at 3) for
+    K = V = 128, and 112 kB at 2 stages for K = V = 256, where this rule takes 1 (80 kB)."""
     if itemsize < 4:
         return {}
     return dict(num_stages=2 if BK <= 128 else 1)

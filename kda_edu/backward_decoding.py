@@ -9,10 +9,12 @@
   the backward spends recomputing them instead.
 - `outputs_and_grads` / `per_sequence_grads`: the same for one packed variable-length row (`cu_seqlens`) and
   for each of its sequences run alone, to show that packing changes nothing.
-- `kernel_split`, `backward_memory`, `versus`: reading the forward + backward benchmark
-  (`bench/results/h200_fwd_bwd.json`): which kernel the time goes to, and which buffer the peak memory goes to.
-  `measured_backward` says which backward the file measured: the committed one is still the backward before
-  the key-block split (its own prepare kernel, one profile of the whole step), which both readers accept.
+- `kernel_split`, `backward_memory`, `versus`: reading the forward + backward benchmark: which kernel the time
+  goes to, and which buffer the peak memory goes to. `measured_backward` says which backward a file measured:
+  `bench/results/h200_fwd_bwd.json` the backward before the key-block split (its own prepare kernel, one
+  profile of the whole step; all three shapes and the peak memory), `bench/results/h200_fwd_bwd_split.json`
+  the current one (one profile per pass; the first shape only, its "build" and "note_partial" say which
+  commit and what is missing). Both readers accept both formats.
 - `decode_bytes` and the two plotting helpers for the decode and forward + backward benchmarks.
 """
 
@@ -359,8 +361,7 @@ def profiled_backward(kernels_us: dict) -> str:
       STORE_X), so one profile keyed by kernel name would add the two passes' prepare times together.
     - "previous": one profile of the whole step, `{name: us}`, as bench_kda_bwd.py recorded it for the
       backward before the key-block split, whose recomputation was its own `_prepare_kernel`
-      (`PREVIOUS_BACKWARD_KERNELS`). The committed bench/results/h200_fwd_bwd.json is in this format until
-      it is measured again.
+      (`PREVIOUS_BACKWARD_KERNELS`). The committed bench/results/h200_fwd_bwd.json is in this format.
 
     A single profile that holds backward kernels but no `_prepare_kernel` is refused (ValueError): it would be
     the current backward with both passes' `_chunk_prepare_kernel` times added together."""
@@ -389,11 +390,10 @@ def kernel_split(kernels_us: dict) -> dict:
 
     Both formats of `profiled_backward` are read. One profile per pass ("current"): our kernels
     (`FORWARD_KERNELS`, `BACKWARD_KERNELS`) go to the pass that ran them, so `_chunk_prepare_kernel` appears
-    in both. One profile of the whole step ("previous", the committed file until it is measured again): by
-    name, `FORWARD_KERNELS` to the forward and `PREVIOUS_BACKWARD_KERNELS` to the backward. "other" is every
-    kernel that is not one of ours: PyTorch's own kernels (the backward's casts of dq, dk, dbeta to bf16;
-    since the key-block split also the sums of the blocks' shares), one entry per name, the two passes'
-    times added where a name appears in both."""
+    in both. One profile of the whole step ("previous", bench/results/h200_fwd_bwd.json): by name,
+    `FORWARD_KERNELS` to the forward and `PREVIOUS_BACKWARD_KERNELS` to the backward. "other" is every kernel
+    that is not one of ours: PyTorch's own kernels (casts of gradients to bf16, sums of key-block shares,
+    copies), one entry per name, the two passes' times added where a name appears in both."""
     split = {"forward": {}, "backward": {}, "other": {}}
     if profiled_backward(kernels_us) == "current":
         passes = [("forward", kernels_us["forward"], FORWARD_KERNELS)]
@@ -432,61 +432,68 @@ def backward_memory(
     lv_block: int = 64,
     lk_block: int = 32,
     backward: str = "current",
+    work_bytes: int | None = None,
 ) -> dict:
     """Bytes that `chunk_kda`'s forward + backward allocates beyond its inputs and dO, buffer by buffer.
 
     Follows `kda_edu.triton.chunk_bwd._chunk_kda_bwd` (without cu_seqlens and without an initial state):
     every intermediate has one padded chunk of `chunk` rows per (chunk, value head) and K, V padded to powers
-    of two. Alive through the whole backward: the output o (the caller holds it) and the gradients, dv, and
-    dq, dk, dg, dbeta in float32. Then, kernel after kernel: the recomputed intermediates (w, u, qg, kd, Aqk,
-    exp(gc_C) and X = (I + A)^-1, all written by the forward's prepare kernel run with STORE_X); the chunk
-    states S0 and their gradients dS with U and dU; qg and kd are freed after the two passes, dAqk reuses
-    Aqk's buffer, and dgc_end is added. `_local_v_kernel` (5) runs over cdiv(K, lv_block) blocks of key
-    channels, each writing its share of dA ([rows, chunk] float32) and of dbeta ([B T HV] float32); the dA
-    shares are summed into X's buffer (X is no longer needed; with one block its share is dA) and both share
-    buffers freed. `_local_k_kernel` (6) runs over cdiv(K, lk_block) blocks, each with a share of dbeta,
-    freed before the casts. Last, the casts of dq, dk, dbeta to the inputs' dtype (and the sums over value
+    of two. Alive through the whole backward: the output o (the caller holds it) and the gradients dv, dg and
+    dbeta (float32), and dq, dk in float32 until the casts. Then, kernel after kernel: the recomputed
+    intermediates (w, u, qg, kd, Aqk, exp(gc_C) and X = (I + A)^-1, all written by the forward's prepare
+    kernel run with STORE_X); the chunk states S0 and their gradients dS with U and dU; qg and kd are freed
+    after the two passes, dAqk reuses Aqk's buffer, and dgc_end is added. `_local_v_kernel` (5) runs over
+    cdiv(K, lv_block) blocks of key channels, each writing its share of dA ([rows, chunk] float32) and of
+    dbeta ([B T HV] float32) beside X. After it X is freed and the dbeta shares are summed and freed; the dA
+    shares stay, for `_local_k_kernel` (6) adds them as it loads them. 6 runs over cdiv(K, lk_block) blocks,
+    each with a share of dbeta. With one value head per key head (HV == H) and 16-bit inputs, 6 writes the
+    finished dq and dk in the input dtype into two new buffers, allocated before it runs, and the float32
+    dq, dk are freed after it. The dA and dbeta shares are freed before the casts. Last, the casts to the
+    inputs' dtype: of dbeta only when 6 wrote dq and dk, else of dq, dk and dbeta (after the sums over value
     heads sharing a key head when HV > H). The forward's own intermediates are freed before the backward
     starts. Not counted: the sum of the dbeta shares (one [B T HV] float32 vector) that exists for a moment
     between the kernels, smaller than the shares it replaces.
 
-    `lv_block`, `lk_block`: `_chunk_kda_bwd`'s knobs of the same names (its defaults). `backward="previous"`
-    counts instead the backward before the key-block split (the one bench/results/h200_fwd_bwd.json measured
-    until it is measured again): no shares, and dA in a buffer of its own next to X until the end.
+    `lv_block`, `lk_block`: `_chunk_kda_bwd`'s knobs of the same names (its defaults). `work_bytes`: bytes per
+    number of the intermediates the backward keeps in the input dtype (w, u, qg, kd, Aqk, S0, dS, U); None
+    means `in_bytes`, as on a GPU, while Triton's interpreter keeps them in float32 (4). `backward="previous"`
+    counts instead the backward before the key-block split (the one bench/results/h200_fwd_bwd.json measured):
+    no shares, dA in a buffer of its own next to X until the end, and the casts of dq, dk, dbeta at the end.
 
     Returns:
-        `{"peak": bytes, "phases": {phase: bytes alive at its end}, "at_peak": {buffer: bytes}}`.
+        `{"peak": bytes, "phases": {phase: bytes alive at its end}, "at_peak": {buffer: bytes},
+        "buffers": {phase: {buffer: bytes}}}`.
     """
     if backward not in ("current", "previous"):
         raise ValueError(f"backward must be 'current' or 'previous', not {backward!r}")
     f32, lo = 4, in_bytes
+    wk = in_bytes if work_bytes is None else work_bytes
     NCH = B * -(-T // chunk)  # chunks, the last of each sequence padded
     rows, BK, BVP = HV * NCH * chunk, _pow2(K), _pow2(V)
     tok = B * T
     held = {
         "output o": tok * HV * V * lo,
         "dv": tok * HV * V * lo,
-        "dq, dk, dg (float32)": 3 * tok * HV * K * f32,
+        "dq, dk (float32)": 2 * tok * HV * K * f32,
+        "dg (float32)": tok * HV * K * f32,
         "dbeta (float32)": tok * HV * f32,
     }
     prepare = {
-        "w, u": rows * (BK + BVP) * lo,
-        "qg, kd": 2 * rows * BK * lo,
-        "Aqk, then dAqk": rows * chunk * lo,
+        "w, u": rows * (BK + BVP) * wk,
+        "qg, kd": 2 * rows * BK * wk,
+        "Aqk, then dAqk": rows * chunk * wk,
         "X = (I + A)^-1 (float32)": rows * chunk * f32,
         "exp(gc_C) (float32)": HV * NCH * BK * f32,
     }
     passes = {
-        "S0 of every chunk": HV * NCH * BK * BVP * lo,
-        "dS of every chunk": HV * NCH * BK * BVP * lo,
-        "U": rows * BVP * lo,
+        "S0 of every chunk": HV * NCH * BK * BVP * wk,
+        "dS of every chunk": HV * NCH * BK * BVP * wk,
+        "U": rows * BVP * wk,
         "dU (float32)": rows * BVP * f32,
     }
-    finish = {}
-    if HV != H:
-        finish["dq, dk summed over value heads"] = 2 * tok * H * K * f32
-    if lo < f32:
-        finish["dq, dk, dbeta cast to the input dtype"] = (2 * tok * H * K + tok * HV) * lo
+    cast = (2 * tok * H * K + tok * HV) * lo if lo < f32 else 0  # dq, dk, dbeta in the input dtype
+    finish = {"dq, dk summed over value heads": 2 * tok * H * K * f32} if HV != H else {}
+    finish |= {"dq, dk, dbeta cast to the input dtype": cast} if cast else {}
     kept = {n: b for n, b in (held | prepare | passes).items() if n != "qg, kd"}  # after the two passes
     live = {"recompute (kernels 1-2)": held | prepare, "state passes (3-4)": held | prepare | passes}
     if backward == "previous":
@@ -496,30 +503,35 @@ def backward_memory(
         nv = -(-K // min(BK, lv_block))  # key blocks of _local_v_kernel, each with its shares of dA and dbeta
         nk = -(-K // min(BK, lk_block))  # key blocks of _local_k_kernel, each with its share of dbeta
         kept |= {"dgc_end (float32)": HV * NCH * BK * f32}
-        shares_v = {
-            "dA, local_v's shares (float32)": nv * rows * chunk * f32,
-            "dbeta, local_v's shares (float32)": nv * tok * HV * f32,
-        }
-        if nv == 1:  # the one share is dA itself and stays; X stays beside it
-            kept |= {"dA, local_v's shares (float32)": rows * chunk * f32}
+        dA_shares = {"dA, local_v's shares (float32)": nv * rows * chunk * f32}
+        no_x = {n: b for n, b in kept.items() if n != "X = (I + A)^-1 (float32)"}  # X is freed after local_v
+        out, at_end = {}, no_x
+        if HV == H and lo < f32:  # _local_k_kernel writes dq, dk in the input dtype: only dbeta is cast
+            out = {"dq, dk in the input dtype (written by local_k)": 2 * tok * H * K * lo}
+            at_end = {n: b for n, b in no_x.items() if n != "dq, dk (float32)"} | out
+            finish = {"dbeta cast to the input dtype": tok * HV * lo}
+        local_k = dA_shares | {"dbeta, local_k's shares (float32)": nk * tok * HV * f32} | out
         live |= {
-            "local_v (5)": kept | shares_v,
-            "local_k (6)": kept | {"dbeta, local_k's shares (float32)": nk * tok * HV * f32},
-            "casts": kept | finish,
+            "local_v (5)": kept | dA_shares | {"dbeta, local_v's shares (float32)": nv * tok * HV * f32},
+            "local_k (6)": no_x | local_k,
+            "casts": at_end | finish,
         }
     phases = {name: sum(bufs.values()) for name, bufs in live.items()}
     top = max(phases, key=phases.get)
-    return dict(peak=phases[top], phases=phases, at_peak=live[top])
+    return dict(peak=phases[top], phases=phases, at_peak=live[top], buffers=live)
 
 
 MEMORY_GROUPS = {  # backward_memory's buffers (both backwards), grouped for the figure
     "output o": ("output o",),
     "gradients (float32 partials, casts)": (
         "dv",
-        "dq, dk, dg (float32)",
+        "dq, dk (float32)",
+        "dg (float32)",
         "dbeta (float32)",
+        "dq, dk in the input dtype (written by local_k)",
         "dq, dk summed over value heads",
         "dq, dk, dbeta cast to the input dtype",
+        "dbeta cast to the input dtype",
     ),
     "recomputed w, u, Aqk, X, exp(gc_C)": (
         "w, u",

@@ -82,12 +82,20 @@ def test_one_profile_of_the_current_backward_is_refused():
         kernel_split(us)
 
 
-def test_kernel_split_reads_the_committed_profile():
-    result = bench_result("h200_fwd_bwd.json")
+@pytest.mark.parametrize(
+    "name, which",
+    [
+        ("h200_fwd_bwd.json", "previous"),
+        ("h200_fwd_bwd_split.json", "current"),
+        ("h200_fwd_bwd_split_f12f262.json", "current"),
+    ],
+)
+def test_kernel_split_reads_the_committed_profile(name, which):
+    result = bench_result(name)
     if result is None:
-        pytest.skip("bench/results/h200_fwd_bwd.json is not here")
+        pytest.skip(f"bench/results/{name} is not here")
     profile = next(r["kda_edu kernels us"] for r in result["rows"] if "kda_edu kernels us" in r)
-    which = measured_backward(result)
+    assert measured_backward(result) == which
     split = kernel_split(profile)
     assert set(split["forward"]) == set(FORWARD_KERNELS)
     assert set(split["backward"]) == set(
@@ -134,20 +142,29 @@ def test_plot_fwd_bwd_reads_both_formats(monkeypatch):
 
 
 def test_backward_memory_phases():
+    rows = 8 * 64 * 64  # rows of the [rows, 64] intermediates: 8 heads x 64 chunks of 64
     bf16 = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2)
     assert bf16["peak"] == max(bf16["phases"].values()) == sum(bf16["at_peak"].values())
+    assert max(bf16["phases"], key=bf16["phases"].get) == "local_k (6)"
     assert "qg, kd" not in bf16["at_peak"]  # freed before the local kernels
-    assert bf16["at_peak"]["dA, local_v's shares (float32)"] == 2 * 8 * 4096 * 64 * 4  # K = 128: two blocks
+    assert "X = (I + A)^-1 (float32)" not in bf16["at_peak"]  # freed before local_k
+    assert bf16["at_peak"]["dA, local_v's shares (float32)"] == 2 * rows * 64 * 4  # K = 128: two blocks
+    assert bf16["at_peak"]["dq, dk in the input dtype (written by local_k)"] == 2 * 4096 * 8 * 128 * 2
     fp32 = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=4)
-    assert not any("cast" in name for name in fp32["at_peak"])  # float32 gradients need no cast
-    grouped = backward_memory(
-        1, 4096, 4, 8, 128, 128, in_bytes=2, backward="previous"
-    )  # two value heads per key
-    assert "dq, dk summed over value heads" in grouped["at_peak"]
-    one_block = backward_memory(
-        1, 4096, 8, 8, 128, 128, in_bytes=2, lv_block=128
-    )  # the share is dA: it stays
-    assert one_block["phases"]["casts"] - bf16["phases"]["casts"] == 8 * 4096 * 64 * 4
+    assert not any("cast" in name or "input dtype" in name for name in fp32["at_peak"])  # no cast needed
+    grouped = backward_memory(1, 4096, 4, 8, 128, 128, in_bytes=2)  # two value heads per key head
+    dqk = 2 * 4096 * 128  # numbers in dq and dk of one head
+    assert bf16["phases"]["local_k (6)"] - grouped["phases"]["local_k (6)"] == 8 * dqk * 2  # bf16 dq, dk
+    # grouped: float32 dq, dk of 8 value heads kept, their sums over 4 key heads, cast; bf16: only the bf16 ones
+    assert grouped["phases"]["casts"] - bf16["phases"]["casts"] == 8 * dqk * (4 - 2) + 4 * dqk * (4 + 2)
+    previous = backward_memory(1, 4096, 4, 8, 128, 128, in_bytes=2, backward="previous")
+    assert "dq, dk summed over value heads" in previous["at_peak"]
+    one_block = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2, lv_block=128)  # one share of dA
+    assert bf16["phases"]["local_k (6)"] - one_block["phases"]["local_k (6)"] == rows * 64 * 4
+    assert one_block["phases"]["casts"] == bf16["phases"]["casts"]  # the shares are gone by then
+    interp = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2, work_bytes=4)
+    float32_work = rows * (128 + 128 + 64 + 128) + 2 * 8 * 64 * 128 * 128  # w, u, Aqk, U; S0, dS
+    assert interp["phases"]["casts"] - bf16["phases"]["casts"] == float32_work * (4 - 2)
     with pytest.raises(ValueError):
         backward_memory(1, 64, 1, 1, 16, 16, backward="stop 11")
 
@@ -165,7 +182,7 @@ def test_backward_memory_knobs_are_the_backwards_defaults():
 class _Alive:
     """Stands in for one of chunk_bwd's kernels (or `_finish`): before passing the call on, records the bytes
     of every tensor the calling `_chunk_kda_bwd` holds in its local variables, its inputs excepted, each
-    storage once (dAqk shares Aqk's buffer, dA X's)."""
+    storage once (dAqk shares Aqk's buffer; dq_out, dk_out are dq, dk unless local_k writes 16-bit ones)."""
 
     INPUTS = {"q", "k", "v", "g", "beta", "h0", "do", "dht", "cu_seqlens", "chunks", "offsets"}
 
@@ -192,18 +209,28 @@ class _Alive:
 
 
 @pytest.mark.parametrize(
-    "K, V, knobs",
-    [(48, 40, {}), (48, 40, dict(lk_block=16, lv_block=16)), (128, 64, {})],
-    ids=["K48_defaults_one_lv_block", "K48_blocks_of_16", "K128_defaults"],
+    "K, V, knobs, dtype",
+    [
+        (48, 40, {}, torch.float32),
+        (48, 40, dict(lk_block=16, lv_block=16), torch.float32),
+        (128, 64, {}, torch.float32),
+        (128, 64, {}, torch.bfloat16),
+    ],
+    ids=["K48_defaults_one_lv_block", "K48_blocks_of_16", "K128_defaults", "K128_bf16"],
 )
-def test_backward_memory_follows_the_allocations(K, V, knobs):
+def test_backward_memory_follows_the_allocations(K, V, knobs, dtype):
     """Every phase of `backward_memory` equals what `_chunk_kda_bwd` holds when it launches that phase's kernel
-    (the casts: when it calls `_finish`), minus the output o, which the caller holds. float32 inputs: the
-    interpreter keeps every intermediate in float32, and so does a GPU for float32 inputs."""
+    (the casts: when it calls `_finish`, so without what `_finish` makes), minus the output o, which the
+    caller holds. bf16 as the benchmark
+    has it (q, k, v, beta in bf16, g in float32): local_k writes dq, dk in bf16 and only dbeta is cast. The
+    interpreter keeps the intermediates in float32 whatever the inputs (`work_bytes=4`); a GPU keeps them in
+    the input dtype."""
+    from kda_edu._backend import interpreting
     from kda_edu.triton import chunk_bwd, chunk_kda
 
     B, T, H = 1, 130, 2  # three chunks, the last one short
     x = random_inputs(B, T, H, K, V, seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
+    x = {n: t.to(dtype) if n != "g" else t for n, t in x.items()}
     xs = {n: t.clone().requires_grad_() for n, t in x.items()}
     log = {}
     phases = {
@@ -228,9 +255,16 @@ def test_backward_memory_follows_the_allocations(K, V, knobs):
     finally:
         for p in reversed(patches):
             p.stop()
-    model = backward_memory(B, T, H, H, K, V, in_bytes=4, **knobs)
+    in_bytes = torch.finfo(dtype).bits // 8
+    model = backward_memory(
+        B, T, H, H, K, V, in_bytes=in_bytes, work_bytes=4 if interpreting() else in_bytes, **knobs
+    )
     o_bytes = o.numel() * o.element_size()
-    assert log == {phase: nbytes - o_bytes for phase, nbytes in model["phases"].items()}
+    made_by_finish = sum(b for n, b in model["buffers"]["casts"].items() if "cast to" in n or "summed" in n)
+    assert made_by_finish == (0 if dtype == torch.float32 else T * H * 2)  # bf16: dbeta's cast only
+    expected = {phase: nbytes - o_bytes for phase, nbytes in model["phases"].items()}
+    expected["casts"] -= made_by_finish  # recorded as `_finish` is called, before it casts
+    assert log == expected
 
 
 def test_backward_memory_reproduces_the_measured_peak():

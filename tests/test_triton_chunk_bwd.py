@@ -189,6 +189,19 @@ def test_gradients_with_small_key_blocks(knobs, varlen):
         assert rel_rms(x, r) <= tol, (name, rel_rms(x, r))
 
 
+@pytest.mark.parametrize("HV", [2, 4], ids=["HV_eq_H", "HV_gt_H"])
+def test_bf16_gradients_come_back_in_the_input_dtype(HV):
+    """bf16 q, k, v: dq, dk, dv in bf16 (with HV == H `_local_k_kernel` writes them in bf16 itself, with HV > H
+    the launcher sums the value heads in float32 and casts), g's and beta's gradients float32."""
+    inputs, do, dht = make_inputs(1, 70, 2, HV, 32, 16, seed=5)
+    inputs[:3] = [x.to(torch.bfloat16).float() for x in inputs[:3]]  # the oracle sees the rounded q, k, v
+    ref = oracle(inputs, do, dht)
+    got = grads(chunk_kda, inputs, do, dht, dtype=torch.bfloat16)
+    assert [x.dtype for x in got] == [torch.bfloat16] * 3 + [torch.float32] * 3
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert rel_rms(x, r) <= 1e-2, (name, rel_rms(x, r))
+
+
 GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine
     "awkward_T_K_ne_V_grouped": ((2, 1000, 2, 4, 128, 64), True),
     "K_V_128_tail_zero_state": ((1, 777, 2, 2, 128, 128), False),

@@ -38,8 +38,10 @@ The kernels, in order (all but the two passes are parallel over chunks):
        dv, the element-wise parts of dq, dk, dgc, dbeta, and the C x C matrices dA and dAqk.
     6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, then dg = reverse cumsum of dgc.
     5 and 6 each run one program per (chunk, value head, block of key channels): every term is per key
-    channel except dbeta and dA, sums over the channels, which each block writes as its share; the launcher
-    adds the shares. The terms without a key channel (dv, dAqk) come from the first block only.
+    channel except dbeta and dA, sums over the channels, which each block writes as its share. The launcher
+    adds the dbeta shares; 6 adds 5's dA shares as it loads them. The terms without a key channel (dv, dAqk)
+    come from the first block only, a launch of its own (FIRST). With one value head per key head and 16-bit
+    inputs, 6 writes the finished dq and dk in the inputs' dtype.
 
 Variable-length batches (`cu_seqlens`, N sequences packed along T with B = 1) use the forward's layout
 (chunk.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
@@ -321,18 +323,29 @@ def _local_v_kernel(
 
 
 @triton.jit
+def _sum_shares(p, offs, stride, N: tl.constexpr):
+    """The sum of N float32 shares of one tile, `stride` elements apart (the key blocks' shares of dA)."""
+    x = tl.load(p + offs)
+    for i in tl.static_range(1, N):
+        x += tl.load(p + i * stride + offs)
+    return x
+
+
+@triton.jit
 def _local_k_kernel(
-    q, k, g, beta, dA, dAqk, dgc_end,  # inputs; dA, dAqk, dgc_end from _local_v_kernel
-    dq, dk, dgc,  # partial gradients, completed in place (dgc becomes dg)
+    q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
+    dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)
+    dq_out, dk_out,  # the finished dq, dk: the inputs' dtype when HV == H (no cast left), else dq, dk again
     dbeta_part,  # float32 [cdiv(K, BK), B * T * HV]: this key block's share of dbeta
     chunks,  # varlen only: the chunk table
-    T, H, HV, K, NT, NCH, scale, part_stride,  # part_stride = B * T * HV
+    T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
-    Aqk, then dg = reverse cumsum of dgc. Every term is per key channel except dbeta, a sum over them: each
-    key block writes its share, and the launcher adds the shares."""
+    Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
+    they are loaded (`_sum_shares`). Every term is per key channel except dbeta, a sum over them: each key
+    block writes its share, and the launcher adds the shares."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -366,7 +379,7 @@ def _local_k_kernel(
         bk_a = beta_a[:, None] * k_a
         m_rows = (c * BT + a * BC + rc)[:, None] * BT
         # Columns before the block, anchored at its start boundary (all zero for a = 0).
-        dA_a = tl.load(dA + m_rows + rows[None, :])
+        dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
         dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
         row_f = tl.exp2(gc_a - start[None, :])
         col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
@@ -377,7 +390,7 @@ def _local_k_kernel(
             tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
             + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
         )
-        dA_d = tl.load(dA + m_rows + a * BC + rc[None, :])
+        dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
         dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
         da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, gc_a, BC, PREC)
         da_kk += da_d
@@ -392,8 +405,10 @@ def _local_k_kernel(
     kt = rows[:, None] * HV * K + ck[None, :]
     km = (rows[:, None] < n_t) & (ck[None, :] < K)
     dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
-    tl.store(dq_p, tl.load(dq_p, mask=km, other=0.0) + acc_dq, mask=km)
-    tl.store(dk_p, tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all, mask=km)
+    dq_new = tl.load(dq_p, mask=km, other=0.0) + acc_dq
+    dk_new = tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all
+    tl.store(dq_out + k_off + kt, dq_new.to(dq_out.dtype.element_ty), mask=km)
+    tl.store(dk_out + k_off + kt, dk_new.to(dk_out.dtype.element_ty), mask=km)
     db_p = dbeta_part + i_k * part_stride + (t0 + rows) * HV + i_hv
     tl.store(db_p, acc_db, mask=rows < n_t)
     # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
@@ -481,29 +496,38 @@ def _chunk_kda_bwd(
     kbv = min(BK, lv_block)  # key channels per program of _local_v_kernel
     nkb = triton.cdiv(K, kbv)
     dA_part = torch.empty(nkb, *x.shape, **f32)  # each key block's share of dA (X is still being read)
+    x_numel = x.numel()
     db_part = torch.empty(nkb, B * T * HV, **f32)
     for first, grid in ((True, (NCH, HV, 1)), (False, (NCH, HV, nkb - 1))):  # key block 0, then the rest
         if grid[2] == 0:
             continue
         _local_v_kernel[grid](
             q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, db_part, dA_part, dAqk,
-            chunks, T, H, HV, K, V, NT, NCH, scale, B * T * HV, x.numel(),
+            chunks, T, H, HV, K, V, NT, NCH, scale, B * T * HV, x_numel,
             BT=BT, BK=kbv, BKP=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, FIRST=first,
             num_warps=lv_warps, **_local_v_stages(BK, w.element_size()),
         )  # fmt: skip
-    dA = dA_part[0] if nkb == 1 else torch.sum(dA_part, 0, out=x)  # X no longer needed: dA in its buffer
-    del dA_part
+    del x  # dA stays as its nkb shares: _local_k_kernel adds them as it loads them
     dbeta.copy_(db_part.sum(0).view(dbeta.shape))
     del db_part
     kb = min(BK, lk_block)  # key channels per program: [64, kb] tiles instead of [64, K] ones
     dbeta_part = torch.zeros(triton.cdiv(K, kb), B * T * HV, **f32)
+    # With one value head per key head, local_k writes dq and dk in the inputs' dtype: no cast kernels after.
+    dq_out, dk_out = dq, dk
+    if HV == H and q.dtype != torch.float32:
+        dq_out, dk_out = (
+            torch.empty(q.shape, device=dev, dtype=q.dtype),
+            torch.empty(k.shape, device=dev, dtype=k.dtype),
+        )
     _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
-        q, k, g, beta, dA, dAqk, dgc_end, dq, dk, dg, dbeta_part, chunks, T, H, HV, K, NT, NCH, scale, B * T * HV,
-        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, num_warps=lk_warps,
+        q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
+        chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
     )  # fmt: skip
+    del dq, dk, dA_part
     dbeta += dbeta_part.sum(0).view(dbeta.shape)
-    del dbeta_part  # the shares are gone before the casts (the backward's peak, bench/NOTES.md)
-    return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
+    del dbeta_part  # the shares are gone before the casts
+    return _finish(q, k, g, beta, dq_out, dk_out, dv, dg, dbeta, dh0, H)
 
 
 def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):

@@ -15,7 +15,8 @@
   profile of the whole step; all three shapes and the peak memory), `bench/results/h200_fwd_bwd_split.json`
   the current one (one profile per pass; the first shape only, its "build" and "note_partial" say which
   commit and what is missing). Both readers accept both formats.
-- `decode_bytes` and the two plotting helpers for the decode and forward + backward benchmarks.
+- `kernel_groups` (a profile in six groups), `decode_bytes`, and the plotting helpers for the decode and
+  forward + backward benchmarks (`plot_backward_builds`: our step kernel group by kernel group, file by file).
 """
 
 from typing import NamedTuple
@@ -379,9 +380,7 @@ def profiled_backward(kernels_us: dict) -> str:
 def measured_backward(result: dict) -> str:
     """Which backward ("current" or "previous", see `profiled_backward`) a run of bench_kda_bwd.py measured,
     its timings and peak memory included, read from the format of its kernel profile."""
-    return profiled_backward(
-        next(r["kda_edu kernels us"] for r in result["rows"] if "kda_edu kernels us" in r)
-    )
+    return profiled_backward(profiled_row(result)["kda_edu kernels us"])
 
 
 def kernel_split(kernels_us: dict) -> dict:
@@ -414,6 +413,46 @@ def kernel_split(kernels_us: dict) -> dict:
             else:
                 split["other"][name] = split["other"].get(name, 0.0) + us / 1e3
     return split
+
+
+KERNEL_GROUPS = (  # kernel_groups' keys, in the order of a step
+    "forward (prepare + scan)",
+    "backward: recompute (prepare)",
+    "backward: state passes",
+    "backward: _local_v_kernel",
+    "backward: _local_k_kernel",
+    "PyTorch's own kernels",
+)
+
+
+def kernel_groups(kernels_us: dict) -> dict:
+    """A kernel profile (either format of `profiled_backward`) in `KERNEL_GROUPS`, milliseconds: the forward,
+    the backward's recomputation (`_chunk_prepare_kernel` with STORE_X, or the previous backward's
+    `_prepare_kernel`), its two state passes, each chunk-local kernel, and every kernel not ours."""
+    split = kernel_split(kernels_us)
+    bwd = split["backward"]
+    return dict(
+        zip(
+            KERNEL_GROUPS,
+            (
+                sum(split["forward"].values()),
+                bwd.get("_chunk_prepare_kernel", 0.0) + bwd.get("_prepare_kernel", 0.0),
+                bwd["_states_kernel"] + bwd["_dstates_kernel"],
+                bwd["_local_v_kernel"],
+                bwd["_local_k_kernel"],
+                sum(split["other"].values()),
+            ),
+            strict=True,
+        )
+    )
+
+
+def profiled_row(result: dict) -> dict:
+    """The row of a bench_kda_bwd.py result that holds the kernel profile (its first shape)."""
+    row = next((r for r in result["rows"] if "kda_edu kernels us" in r), None)
+    if row is None:
+        raise ValueError("no row of this result has a kernel profile")
+    return row
 
 
 def _pow2(n: int) -> int:
@@ -630,5 +669,57 @@ def plot_fwd_bwd(result: dict, memory: dict | None = None):
     ax.set_xticks([0, 1], ["kda_edu chunk_kda", "fla chunk_kda"])
     ax.legend(fontsize=7, loc="upper left")
     ax.set_ylim(0, max(mem) * 1.7)
+    finish(fig)
+    return fig
+
+
+GROUP_COLORS = ("C2", "#9ecae1", "#6baed6", "C1", "#d95f0e", "C7")
+
+
+def plot_backward_builds(results: dict):
+    """Our forward + backward at the profiled shape, one stacked bar per benchmark file (`{label: result}`,
+    in the order given), split into `KERNEL_GROUPS`; beside each bar fla's whole step in the same run and
+    1.25x of it (the first bar)."""
+    from kda_edu.plotting import figure, finish
+
+    rows = {label: profiled_row(result) for label, result in results.items()}
+    shapes = {(r["B"], r["T"], r["H"]) for r in rows.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"the files profiled different shapes: {sorted(shapes)}")
+    (B, T, H), last = shapes.pop(), list(rows.values())[-1]
+    first = list(rows.values())[0]
+    ours, fla = last[FWD_BWD_KEYS[0]], last[FWD_BWD_KEYS[1]]
+    device = list(results.values())[-1]["device"]
+    fig, (ax,) = figure(
+        f"{device}, bf16, B={B}, T={T}, H={H}: forward + backward {first[FWD_BWD_KEYS[0]]:.2f} -> {ours:.2f} ms, "
+        f"{versus(ours / fla, 2)} than fla's",
+        [("time of one forward + backward (ms)", "backward (benchmark file)")],
+        width=10.0,
+        height=1.2 + 0.8 * len(rows),
+    )
+    for i, row in enumerate(rows.values()):
+        left = 0.0
+        for (group, ms), color in zip(
+            kernel_groups(row["kda_edu kernels us"]).items(), GROUP_COLORS, strict=True
+        ):
+            ax.barh(i, ms, left=left, color=color, label=group if i == 0 else None)
+            left += ms
+        ax.text(left, i, f" {row[FWD_BWD_KEYS[0]]:.2f} ms timed", va="center", fontsize=8)
+        fla_ms = row[FWD_BWD_KEYS[1]]
+        ax.plot(
+            [fla_ms] * 2,
+            [i - 0.45, i + 0.45],
+            color=FLA_COLOR,
+            lw=2,
+            label="fla, same run" if i == 0 else None,
+        )
+        ax.plot(
+            [1.25 * fla_ms] * 2, [i - 0.45, i + 0.45], color=FLA_COLOR, ls=":", lw=2,
+            label="1.25x fla (the first bar)" if i == 0 else None,
+        )  # fmt: skip
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(r[FWD_BWD_KEYS[0]] for r in rows.values()) * 1.2)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     finish(fig)
     return fig

@@ -17,14 +17,17 @@ import torch
 from kda_edu.backward_decoding import (
     BACKWARD_KERNELS,
     FORWARD_KERNELS,
+    KERNEL_GROUPS,
     NAMES,
     PREVIOUS_BACKWARD_KERNELS,
     backward_memory,
+    kernel_groups,
     kernel_split,
     measured_backward,
     outputs_and_grads,
     per_sequence_grads,
     profiled_backward,
+    profiled_row,
     versus,
     versus_range,
 )
@@ -138,6 +141,38 @@ def test_plot_fwd_bwd_reads_both_formats(monkeypatch):
     bars = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     assert bars.count("forward: _chunk_prepare_kernel") == bars.count("backward: _chunk_prepare_kernel") == 1
     assert bars[-1] == "PyTorch's own kernels"
+    plt.close("all")
+
+
+def test_kernel_groups_and_the_figure_of_the_builds(monkeypatch):
+    """Every committed profile in six groups that add up to it, and the figure of the three files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kda_edu.backward_decoding import plot_backward_builds
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    names = ("h200_fwd_bwd.json", "h200_fwd_bwd_split_f12f262.json", "h200_fwd_bwd_split.json")
+    results = {name: bench_result(name) for name in names}
+    if any(r is None for r in results.values()):
+        pytest.skip("bench/results/ is not here")
+    for result in results.values():
+        profile = profiled_row(result)["kda_edu kernels us"]
+        groups, split = kernel_groups(profile), kernel_split(profile)
+        assert tuple(groups) == KERNEL_GROUPS and min(groups.values()) > 0
+        assert sum(groups.values()) == pytest.approx(sum(ms for p in split.values() for ms in p.values()))
+    fig = plot_backward_builds(results)
+    assert "12.18 -> 6.40 ms, 1.27x slower than fla's" in fig._suptitle.get_text()
+    assert len(fig.axes[0].patches) == len(names) * len(KERNEL_GROUPS)
+    with pytest.raises(ValueError, match="kernel profile"):
+        profiled_row(dict(results["h200_fwd_bwd.json"], rows=results["h200_fwd_bwd.json"]["rows"][1:]))
+    other = dict(
+        results["h200_fwd_bwd.json"], rows=[dict(profiled_row(results["h200_fwd_bwd.json"]), T=4096)]
+    )
+    with pytest.raises(ValueError, match="different shapes"):
+        plot_backward_builds({"a": other, "b": results["h200_fwd_bwd_split.json"]})
     plt.close("all")
 
 

@@ -74,21 +74,28 @@ def peak_gib(fn, x, do):
 
 
 def kernel_times(x, do):
-    """CUDA time per kernel of one forward + backward (torch profiler), in microseconds."""
+    """CUDA time per kernel of one forward and of its backward (torch profiler, one profile each, since both
+    passes run `_chunk_prepare_kernel`), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`."""
     from torch.profiler import ProfilerActivity, profile
 
+    def per_kernel(prof):
+        out = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if us:
+                out[e.key[:60]] = round(us, 1)
+        return out
+
     fn = METHODS["kda_edu chunk_kda"]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(fn, x, do)
+    with profile(activities=[ProfilerActivity.CUDA]) as fwd:
+        o = fn(x)
         torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
-            out[e.key[:60]] = round(us, 1)
+    with profile(activities=[ProfilerActivity.CUDA]) as bwd:
+        o.backward(do)
+        torch.cuda.synchronize()
     for t in x.values():
         t.grad = None
-    return out
+    return {"forward": per_kernel(fwd), "backward": per_kernel(bwd)}
 
 
 def main():

@@ -9,6 +9,8 @@ the float64 loop run on each sequence alone, and to chunk_kda's own backward on 
 """
 
 import functools
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 from test_triton_varlen import LENGTHS, cu_of, per_sequence
 
 from kda_edu.kda import kda_chunked, kda_recurrent
-from kda_edu.triton import chunk_kda
+from kda_edu.triton import chunk as chunk_mod
+from kda_edu.triton import chunk_bwd, chunk_kda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -158,6 +161,47 @@ def test_varlen_gradients_equal_separate_runs():
         assert rel_rms(x, r) <= 1e-6, (name, rel_rms(x, r))
 
 
+KNOBS = {  # the chunk-local kernels split over key blocks: several blocks per chunk, a last one past K
+    "lk16_lv16": dict(lk_block=16, lv_block=16),
+    "lk16_lv32_8warps": dict(lk_block=16, lk_warps=8, lv_block=32, lv_warps=4),
+}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("knobs", KNOBS.values(), ids=KNOBS.keys())
+def test_gradients_with_small_key_blocks(knobs, varlen):
+    """Gradients with `_local_k_kernel` / `_local_v_kernel` forced to small key blocks: K = 48 (padded to 64,
+    so the last 16-channel block is all padding) or, packed, K = 32; dbeta and dA are sums of block shares."""
+    original = chunk_bwd._chunk_kda_bwd
+    if varlen:
+        lengths = [70, 0, 5]
+        cu = cu_of(lengths)
+        inputs, do, dht = make_inputs(1, sum(lengths), 1, 2, 32, 16, n_states=len(lengths))
+        fn, ref_fn = functools.partial(chunk_kda, cu_seqlens=cu), per_sequence(kda_recurrent, cu)
+    else:
+        inputs, do, dht = make_inputs(1, 70, 1, 2, 48, 40)
+        fn, ref_fn = chunk_kda, kda_recurrent
+    ref = grads(ref_fn, inputs, do, dht, dtype=torch.float64)
+    with mock.patch.object(chunk_bwd, "_chunk_kda_bwd", functools.partial(original, **knobs)):
+        got = grads(fn, inputs, do, dht)
+    tol = 1e-5 if DEVICE == "cpu" else 2e-3
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert rel_rms(x, r) <= tol, (name, rel_rms(x, r))
+
+
+@pytest.mark.parametrize("HV", [2, 4], ids=["HV_eq_H", "HV_gt_H"])
+def test_bf16_gradients_come_back_in_the_input_dtype(HV):
+    """bf16 q, k, v: dq, dk, dv in bf16 (with HV == H `_local_k_kernel` writes them in bf16 itself, with HV > H
+    the launcher sums the value heads in float32 and casts), g's and beta's gradients float32."""
+    inputs, do, dht = make_inputs(1, 70, 2, HV, 32, 16, seed=5)
+    inputs[:3] = [x.to(torch.bfloat16).float() for x in inputs[:3]]  # the oracle sees the rounded q, k, v
+    ref = oracle(inputs, do, dht)
+    got = grads(chunk_kda, inputs, do, dht, dtype=torch.bfloat16)
+    assert [x.dtype for x in got] == [torch.bfloat16] * 3 + [torch.float32] * 3
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert rel_rms(x, r) <= 1e-2, (name, rel_rms(x, r))
+
+
 GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine
     "awkward_T_K_ne_V_grouped": ((2, 1000, 2, 4, 128, 64), True),
     "K_V_128_tail_zero_state": ((1, 777, 2, 2, 128, 128), False),
@@ -178,3 +222,43 @@ def test_gpu_gradients(case, dtype):
         err = rel_rms(x, r)
         print(f"{dtype} {shape} d{name}: {err:.2e}")
         assert err <= tol, (name, err)
+
+
+class _NanEmpty(types.ModuleType):
+    """`torch`, except that `empty` fills what it returns with NaN (integer tensors with -7)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kw):
+        x = torch.empty(*size, **kw)
+        return x.fill_(float("nan") if x.dtype.is_floating_point else -7)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_uninitialised_buffers_are_never_read(varlen):
+    """Every buffer that the forward and the backward take from torch.empty is written before anything reads
+    it: with those buffers filled with NaN the gradients keep the same bits. Key blocks of 16 (several programs
+    per chunk; K = 48 padded to 64), a tail chunk, and varlen chunks. Fresh memory is often zero, so without
+    this a kernel that reads an unwritten entry can pass under the interpreter and fail on a GPU. On a GPU it
+    also compares two runs bit for bit (no kernel uses atomics), which a race inside a program would break."""
+    if varlen:
+        lengths = [70, 0, 5]
+        cu = cu_of(lengths)
+        inputs, do, dht = make_inputs(1, sum(lengths), 1, 2, 32, 16, n_states=len(lengths))
+        fn = functools.partial(chunk_kda, cu_seqlens=cu)
+    else:
+        inputs, do, dht = make_inputs(1, 70, 1, 2, 48, 40)
+        fn = chunk_kda
+    small = functools.partial(chunk_bwd._chunk_kda_bwd, lk_block=16, lv_block=16)
+    with mock.patch.object(chunk_bwd, "_chunk_kda_bwd", small):
+        ref = grads(fn, inputs, do, dht)
+        nan_torch = _NanEmpty("torch")
+        with (
+            mock.patch.object(chunk_bwd, "torch", nan_torch),
+            mock.patch.object(chunk_mod, "torch", nan_torch),
+        ):
+            got = grads(fn, inputs, do, dht)
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert torch.equal(x, r), (name, (x - r).abs().max().item())

@@ -10,8 +10,10 @@ rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in r
     the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A;
     pass 2: w = (I + L)^-1 Diag(beta) (K * exp(gc)) by block forward substitution (the UT transform, 16 rows
         at a time: r_a = (I + L_aa)^-1 (b_a - sum_{c < a} L_ac r_c)), kd = K * exp(gc_C - gc), exp(gc_C);
-    pass 3: u = (I + L)^-1 Diag(beta) V the same way.
-    Nothing here depends on the state, so every chunk runs in parallel.
+    pass 3: u = (I + L)^-1 Diag(beta) V the same way;
+    pass 4, only with STORE_X (chunk_bwd.py's recomputation): X = (I + L)^-1 itself, the identity as b.
+    Nothing here depends on the state, so every chunk runs in parallel. Aqk is written whole (zeros above
+    the diagonal blocks), so the scan reads it without a mask.
 Kernel 2, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
     with the state S (K x BV, float32, in registers for the whole sequence)
         U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
@@ -202,6 +204,7 @@ def _chunk_prepare_kernel(
     kd,
     aqk,
     gl,  # outputs [HV, NCH * BT, BK | BV | BK | BK | BT] and [HV, NCH, BK]
+    x_inv,  # with STORE_X: X = (I + L)^-1, float32 [HV, NCH * BT, BT] (the backward keeps it)
     chunks,  # varlen only: int32 [NCH, 2] (first token, end of its sequence)
     T,
     H,
@@ -219,12 +222,14 @@ def _chunk_prepare_kernel(
     VC: tl.constexpr,
     PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    STORE_X: tl.constexpr = False,
 ):
     """One program per (chunk, value head): everything of the chunk that does not depend on the state.
 
     The chunk's 64 rows are four blocks of 16 (0..3); every matrix is kept as 16 x 16 blocks in registers.
     Pass 1 (KC key columns at a time): the blocks of A and Aqk, and qg. Then the inverses of the diagonal
-    blocks of I + L. Pass 2: w and kd by block forward substitution; pass 3: u the same way.
+    blocks of I + L. Pass 2: w and kd by block forward substitution; pass 3: u the same way; with STORE_X,
+    pass 4: X = (I + L)^-1 into x_inv (the backward's recomputation; the forward passes None).
     """
     tl.static_assert(BT == 4 * BC)
     i_c = tl.program_id(0)
@@ -283,7 +288,7 @@ def _chunk_prepare_kernel(
         _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
         _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
 
-    # Aqk: lower triangle of each diagonal block; the blocks above the diagonal are never written.
+    # Aqk: the blocks on and below the diagonal (lower triangle of the diagonal blocks), zeros above.
     lower_eq = rc[:, None] >= rc[None, :]
     cc = tl.arange(0, BC)
     _store_block(aqk, row0, 0, BC, BT, cc, tl.where(lower_eq, q00, 0.0))
@@ -296,6 +301,13 @@ def _chunk_prepare_kernel(
     _store_block(aqk, row0, 3, BC, BT, BC + cc, q31)
     _store_block(aqk, row0, 3, BC, BT, 2 * BC + cc, q32)
     _store_block(aqk, row0, 3, BC, BT, 3 * BC + cc, tl.where(lower_eq, q33, 0.0))
+    zero = tl.zeros([BC, BC], dtype=tl.float32)  # and the blocks above the diagonal, so that Aqk reads whole
+    _store_block(aqk, row0, 0, BC, BT, BC + cc, zero)
+    _store_block(aqk, row0, 0, BC, BT, 2 * BC + cc, zero)
+    _store_block(aqk, row0, 0, BC, BT, 3 * BC + cc, zero)
+    _store_block(aqk, row0, 1, BC, BT, 2 * BC + cc, zero)
+    _store_block(aqk, row0, 1, BC, BT, 3 * BC + cc, zero)
+    _store_block(aqk, row0, 2, BC, BT, 3 * BC + cc, zero)
 
     # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
     b0 = tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None]
@@ -342,6 +354,20 @@ def _chunk_prepare_kernel(
         _store_block(u, row0, 1, BC, BV, cols, r1)
         _store_block(u, row0, 2, BC, BV, cols, r2)
         _store_block(u, row0, 3, BC, BV, cols, r3)
+    if STORE_X:  # pass 4: X itself, the same substitution with the identity as right-hand side
+        for xc in range(0, BT, VC):
+            cols = xc + tl.arange(0, VC)
+            r0, r1, r2, r3 = _solve(
+                tl.where(t_0[:, None] == cols[None, :], 1.0, 0.0),
+                tl.where(t_1[:, None] == cols[None, :], 1.0, 0.0),
+                tl.where(t_2[:, None] == cols[None, :], 1.0, 0.0),
+                tl.where(t_3[:, None] == cols[None, :], 1.0, 0.0),
+                x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+            )  # fmt: skip
+            _store_block(x_inv, row0, 0, BC, BT, cols, r0)
+            _store_block(x_inv, row0, 1, BC, BT, cols, r1)
+            _store_block(x_inv, row0, 2, BC, BT, cols, r2)
+            _store_block(x_inv, row0, 3, BC, BT, cols, r3)
 
 
 @triton.jit
@@ -415,7 +441,6 @@ def _chunk_scan_kernel(
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
-        a_n = tl.where(rows[:, None] >= rows[None, :], a_n, 0.0)  # blocks above the diagonal: never written
         decay = tl.load(gl + c * BK + ck)
 
         s_lo = S.to(w_n.dtype)
@@ -550,7 +575,7 @@ def _chunk_kda_fwd(
     if NCH > 0:
         kc = kc or min(32, BK)
         kernel = _chunk_prepare_kernel[(NCH, HV)](
-            q, k, v, g, beta, w, u, qg, kd, aqk, gl, chunks, T, H, HV, K, V, NT, NCH, scale,
+            q, k, v, g, beta, w, u, qg, kd, aqk, gl, None, chunks, T, H, HV, K, V, NT, NCH, scale,
             BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen,
             num_warps=warps_prepare,
         )  # fmt: skip

@@ -30,18 +30,23 @@ dg is the reverse cumulative sum of dgc within the chunk (the chunk-end terms la
 
 The kernels, in order (all but the two passes are parallel over chunks):
 
-    1-2. `_prepare_kernel`: recomputes what chunk.py's prepare kernel computes (w, u, qg, kd, Aqk, exp(gc_C))
-       and also keeps X = (I + A)^-1, which the forward uses only inside its prepare kernel.
+    1-2. chunk.py's `_chunk_prepare_kernel` again, with STORE_X: the forward's intermediates (w, u, qg, kd,
+       Aqk, exp(gc_C)) plus X = (I + A)^-1, one more block substitution with the identity as right-hand side.
     3. `_states_kernel`: the forward state pass again, storing each chunk's S0 and U.
     4. `_dstates_kernel`: the backward state pass, storing each chunk's dS and dU; gives dS for h0.
     5. `_local_v_kernel`: everything that sums over the value dimension (products against S0, dS, U, dU, V):
        dv, the element-wise parts of dq, dk, dgc, dbeta, and the C x C matrices dA and dAqk.
     6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, then dg = reverse cumsum of dgc.
+    5 and 6 each run one program per (chunk, value head, block of key channels): every term is per key
+    channel except dbeta and dA, sums over the channels, which each block writes as its share. The launcher
+    adds the dbeta shares; 6 adds 5's dA shares as it loads them. The terms without a key channel (dv, dAqk)
+    come from the first block only, a launch of its own (FIRST). With one value head per key head and 16-bit
+    inputs, 6 writes the finished dq and dk in the inputs' dtype.
 
 Variable-length batches (`cu_seqlens`, N sequences packed along T with B = 1) use the forward's layout
 (chunk.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
 and the intermediates are indexed by chunk, [HV, NCH, ...]. The parallel kernels (1-2, 5, 6) run one program
-per (chunk, value head) and read the chunk's first token and its sequence's end from the chunk table, so they
+per chunk and value head (and key block) and read the chunk's first token and its sequence's end from the chunk table, so they
 never see a step of another sequence. The two passes (3, 4) run one program per (value block, sequence x value
 head) over that sequence's chunks only (per-sequence chunk offsets), starting from its h0 (3) or dht (4);
 pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
@@ -67,13 +72,12 @@ from kda_edu._backend import interpreting
 from kda_edu.triton.chunk import (
     _DIAG_LIMIT,
     _chunk_kda_fwd,
+    _chunk_prepare_kernel,
     _chunk_span,
-    _diag_grams,
     _diag_span,
     _load_rows,
     _pow2,
     _seq_chunks,
-    _unit_lower_inverse,
     chunk_layout,
 )
 
@@ -126,84 +130,6 @@ def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr)
     rows = tl.arange(0, NB * BC)
     rep = tl.reshape(tl.broadcast_to(x_a[None, :, :], [NB, BC, BK]), [NB * BC, BK])
     return tl.where((rows // BC == a)[:, None], rep, 0.0)
-
-
-@triton.jit
-def _prepare_kernel(
-    q, k, v, g, beta,  # inputs as in chunk.py
-    x, w, u, qg, kd, aqk, gl,  # outputs: X [HV * NCH * BT, BT] float32; the rest as chunk.py's prepare
-    chunks,  # varlen only: int32 [NCH, 2] (first token, end of its sequence), see chunk.py's chunk_layout
-    T, H, HV, K, V, NT, NCH, scale,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):  # fmt: skip
-    """Per (chunk, value head): A and Aqk sub-chunk by sub-chunk, X = (I + A)^-1 block row by block row,
-    then w = X Diag(beta) (K * exp(gc)), u = X Diag(beta) V, qg, kd and exp(gc_C)."""
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    NB: tl.constexpr = BT // BC
-    L2E: tl.constexpr = 1.4426950408889634
-    t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
-    n_t = (t_end - t0).to(tl.int32)  # valid rows of this chunk (64 except at a sequence's end)
-    rows = tl.arange(0, BT)
-    rc = tl.arange(0, BC)
-    ck = tl.arange(0, BK)
-    cv = tl.arange(0, BV)
-    q_h = q + t0 * H * K + i_h * K  # row t of the chunk is at q_h + t * H * K
-    k_h = k + t0 * H * K + i_h * K
-    g_h = g + t0 * HV * K + i_hv * K
-    b_h = beta + t0 * HV + i_hv
-    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT  # first row of this chunk in the intermediates
-
-    out_r = row0 + rows
-    k_all = _load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
-    gc = tl.cumsum(_load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E, axis=0)
-
-    X = tl.zeros([BT, BT], dtype=tl.float32)
-    start = tl.zeros([BK], dtype=tl.float32)
-    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
-        ta = a * BC + rc
-        k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
-        gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
-        diag = rows[None, :] == (a * BC + rc)[:, None]  # [BC, BT]: column of row i's own step
-        # Columns before the block, anchored at its start boundary: both exponents <= 0 (all zero for a = 0).
-        row_f = tl.exp2(gc_a - start[None, :])
-        col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
-        k_col = tl.trans(k_all * col_f)
-        a_off = tl.dot(k_a * row_f, k_col, input_precision=PREC)  # [BC, BT], zero from column a*BC on
-        aqk_off = tl.dot(qs_a * row_f, k_col, input_precision=PREC)
-        rhs = tl.where(diag, 1.0, 0.0) - tl.dot(beta_a[:, None] * a_off, X, input_precision=PREC)
-        a_dd, aqk_dd = _diag_grams(k_a, qs_a, gc_a, BC, PREC)
-        a_dd = tl.where(rc[:, None] > rc[None, :], a_dd, 0.0)
-        aqk_dd = tl.where(rc[:, None] >= rc[None, :], aqk_dd, 0.0)
-        row_off = (row0 + a * BC + rc)[:, None] * BT
-        inside = (rows >= a * BC) & (rows < (a + 1) * BC)
-        tl.store(aqk + row_off + rows[None, :], aqk_off.to(aqk.dtype.element_ty), mask=(~inside)[None, :])
-        tl.store(aqk + row_off + a * BC + rc[None, :], aqk_dd.to(aqk.dtype.element_ty))
-        # Block row a of X: X_a = (I + L_aa)^-1 (E_a - L_a,<a X), with L = Diag(beta) A. The 16 x 16 inverse
-        # is exact float32 whatever PREC (the forward's prepare kernel uses PREC there).
-        x_a = tl.dot(_unit_lower_inverse(beta_a[:, None] * a_dd, BC, "ieee"), rhs, input_precision=PREC)
-        X += _rows_of_block(x_a, a, NB, BC, BT)
-        start += tl.sum(g_a, axis=0)
-
-    tl.store(x + out_r[:, None] * BT + rows[None, :], X)
-    beta_all = tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)
-    xb = X * beta_all[None, :]
-    tl.store(w + out_r[:, None] * BK + ck[None, :],
-             tl.dot(xb, k_all * tl.exp2(gc), input_precision=PREC).to(w.dtype.element_ty))  # fmt: skip
-    v_all = _load_rows(v + t0 * HV * V + i_hv * V, rows, HV * V, cv, V, n_t).to(tl.float32)
-    tl.store(
-        u + out_r[:, None] * BV + cv[None, :], tl.dot(xb, v_all, input_precision=PREC).to(u.dtype.element_ty)
-    )
-    qs = _load_rows(q_h, rows, H * K, ck, K, n_t).to(tl.float32) * scale
-    tl.store(qg + out_r[:, None] * BK + ck[None, :], (qs * tl.exp2(gc)).to(qg.dtype.element_ty))
-    gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)  # rows past n_t add 0 gate
-    tl.store(
-        kd + out_r[:, None] * BK + ck[None, :],
-        (k_all * tl.exp2(gc_end[None, :] - gc)).to(kd.dtype.element_ty),
-    )
-    tl.store(gl + row0 // BT * BK + ck, tl.exp2(gc_end))
 
 
 @triton.jit
@@ -297,24 +223,36 @@ def _dstates_kernel(
 def _local_v_kernel(
     q, k, v, g, beta, do,  # inputs and dO
     u, w, x, h, vn, dh, dvn,  # recomputed intermediates
-    dv, dq, dk, dgc, dgc_end, dbeta, dA, dAqk,  # outputs (dq, dk, dgc, dbeta partial; dA, dAqk for kernel 6)
+    dv, dq, dk, dgc, dgc_end, db_part, dA_part, dAqk,  # outputs (dq, dk, dgc partial; dA, dAqk for kernel 6)
     chunks,  # varlen only: the chunk table
-    T, H, HV, K, V, NT, NCH, scale,
-    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    T, H, HV, K, V, NT, NCH, scale, part_stride, a_stride,  # strides of db_part / dA_part between key blocks
+    BT: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, IS_VARLEN: tl.constexpr, FIRST: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: all sums over the value dimension, then the element-wise gate terms. See the module doc."""
+    """Per (chunk, value head, block of BK key channels): all sums over the value dimension, then the
+    element-wise gate terms. See the module doc. The key-side terms are per channel; dA and dbeta also sum
+    over the channels, so each key block writes its share (dA_part, db_part) and the launcher adds them. The
+    terms with no key channel in them (dv, dAqk and the value-side parts of dA and dbeta) are computed by the
+    first key block only.
+
+    The first key block is its own launch (FIRST = True, grid z = 1; the other blocks: FIRST = False, grid
+    z = K / BK - 1). A branch on the program id inside the value loop (`if i_k == 0`) compiled to wrong code
+    on the H200 with Triton 3.6 (dv, dA and dbeta wrong in bf16, dAqk in float32; right under the
+    interpreter); as a constexpr the branch is resolved when the kernel is compiled."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    if not FIRST:
+        i_k += 1
     i_h = i_hv // (HV // H)
     L2E: tl.constexpr = 1.4426950408889634
     t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
+    ck = i_k * BK + tl.arange(0, BK)
     c = (i_hv * NCH + i_c).to(tl.int64)
     r = (c * BT + rows)[:, None]  # row of the padded intermediates
-    hb = c * BK  # first row of this chunk's state tiles
+    hb = c * BKP  # first row of this chunk's state tiles (BKP = K padded)
     v_off = t0 * HV * V + i_hv * V  # [B, T, HV, V] tensors: row t of the chunk at + t * HV * V
     tv = rows[:, None] * HV * V
     b_h = beta + t0 * HV + i_hv
@@ -337,19 +275,21 @@ def _local_v_kernel(
         dS = tl.load(dh + s_ptr, mask=vm, other=0.0)
         U = tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0)
         dU = tl.load(dvn + r * BVP + cv[None, :], mask=vm, other=0.0)
-        u_c = tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32)
         do_c = tl.load(do + v_off + tv + cv[None, :], mask=tm, other=0.0)
-        v_c = tl.load(v + v_off + tv + cv[None, :], mask=tm, other=0.0)
         do_c = do_c.to(S0.dtype)
         dqg += tl.dot(do_c, tl.trans(S0), input_precision=PREC)
         dkd += tl.dot(U, tl.trans(dS), input_precision=PREC)
         dw -= tl.dot(dU.to(S0.dtype), tl.trans(S0), input_precision=PREC)
-        dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
         dgl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), axis=1)
-        dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
-        tl.store(dv + v_off + tv + cv[None, :], (beta_all[:, None] * dup).to(dv.dtype.element_ty), mask=tm)
-        db += tl.sum(dup * v_c.to(tl.float32), axis=1)
-        dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
+        if FIRST:  # the value-side terms, once per chunk
+            u_c = tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32)
+            v_c = tl.load(v + v_off + tv + cv[None, :], mask=tm, other=0.0)
+            dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
+            dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
+            dv_c = (beta_all[:, None] * dup).to(dv.dtype.element_ty)
+            tl.store(dv + v_off + tv + cv[None, :], dv_c, mask=tm)
+            db += tl.sum(dup * v_c.to(tl.float32), axis=1)
+            dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
 
     # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
     k_all = _load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)
@@ -357,7 +297,7 @@ def _local_v_kernel(
     gc = tl.cumsum(_load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E,
                    axis=0)  # fmt: skip
     gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
-    w_c = tl.load(w + r * BK + ck[None, :]).to(tl.float32)
+    w_c = tl.load(w + r * BKP + ck[None, :]).to(tl.float32)
     dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
     dM_kk += tl.dot(dwp, tl.trans(w_c), input_precision=PREC)
     eg = tl.exp2(gc)
@@ -375,23 +315,40 @@ def _local_v_kernel(
     tl.store(dk + k_off + kt, eg * dkg + ed * dkd, mask=km)
     tl.store(dgc + k_off + kt, dgc_c, mask=km)
     tl.store(dgc_end + hb + ck, end)
-    tl.store(dbeta + t0 * HV + i_hv + rows * HV, db, mask=rows < n_t)
+    tl.store(db_part + i_k * part_stride + t0 * HV + i_hv + rows * HV, db, mask=rows < n_t)
     m_off = r * BT + rows[None, :]
-    tl.store(dA + m_off, tl.where(rows[:, None] > rows[None, :], -dM_kk, 0.0))
-    tl.store(dAqk + m_off, tl.where(rows[:, None] >= rows[None, :], dM_qk, 0.0))
+    tl.store(dA_part + i_k * a_stride + m_off, tl.where(rows[:, None] > rows[None, :], -dM_kk, 0.0))
+    if FIRST:
+        tl.store(dAqk + m_off, tl.where(rows[:, None] >= rows[None, :], dM_qk, 0.0))
+
+
+@triton.jit
+def _sum_shares(p, offs, stride, N: tl.constexpr):
+    """The sum of N float32 shares of one tile, `stride` elements apart (the key blocks' shares of dA)."""
+    x = tl.load(p + offs)
+    for i in tl.static_range(1, N):
+        x += tl.load(p + i * stride + offs)
+    return x
 
 
 @triton.jit
 def _local_k_kernel(
-    q, k, g, beta, dA, dAqk, dgc_end,  # inputs; dA, dAqk, dgc_end from _local_v_kernel
-    dq, dk, dgc, dbeta,  # partial gradients, completed in place (dgc becomes dg)
+    q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
+    dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)
+    dq_out, dk_out,  # the finished dq, dk: the inputs' dtype when HV == H (no cast left), else dq, dk again
+    dbeta_part,  # float32 [cdiv(K, BK), B * T * HV]: this key block's share of dbeta
     chunks,  # varlen only: the chunk table
-    T, H, HV, K, NT, NCH, scale,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: gradients through the gated Gram matrices A and Aqk, then dg = reverse cumsum of dgc."""
+    """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
+    Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
+    they are loaded (`_sum_shares`). Every term is per key channel except dbeta, a sum over them: each key
+    block writes its share, and the launcher adds the shares."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
     i_h = i_hv // (HV // H)
     NB: tl.constexpr = BT // BC
     L2E: tl.constexpr = 1.4426950408889634
@@ -399,7 +356,7 @@ def _local_k_kernel(
     n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
     rc = tl.arange(0, BC)
-    ck = tl.arange(0, BK)
+    ck = i_k * BK + tl.arange(0, BK)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
@@ -422,7 +379,7 @@ def _local_k_kernel(
         bk_a = beta_a[:, None] * k_a
         m_rows = (c * BT + a * BC + rc)[:, None] * BT
         # Columns before the block, anchored at its start boundary (all zero for a = 0).
-        dA_a = tl.load(dA + m_rows + rows[None, :])
+        dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
         dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
         row_f = tl.exp2(gc_a - start[None, :])
         col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
@@ -433,7 +390,7 @@ def _local_k_kernel(
             tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
             + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
         )
-        dA_d = tl.load(dA + m_rows + a * BC + rc[None, :])
+        dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
         dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
         da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, gc_a, BC, PREC)
         da_kk += da_d
@@ -448,21 +405,30 @@ def _local_k_kernel(
     kt = rows[:, None] * HV * K + ck[None, :]
     km = (rows[:, None] < n_t) & (ck[None, :] < K)
     dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
-    tl.store(dq_p, tl.load(dq_p, mask=km, other=0.0) + acc_dq, mask=km)
-    tl.store(dk_p, tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all, mask=km)
-    db_p = dbeta + t0 * HV + i_hv + rows * HV
-    tl.store(db_p, tl.load(db_p, mask=rows < n_t, other=0.0) + acc_db, mask=rows < n_t)
+    dq_new = tl.load(dq_p, mask=km, other=0.0) + acc_dq
+    dk_new = tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all
+    tl.store(dq_out + k_off + kt, dq_new.to(dq_out.dtype.element_ty), mask=km)
+    tl.store(dk_out + k_off + kt, dk_new.to(dk_out.dtype.element_ty), mask=km)
+    db_p = dbeta_part + i_k * part_stride + (t0 + rows) * HV + i_hv
+    tl.store(db_p, acc_db, mask=rows < n_t)
     # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
     # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
-    end = tl.load(dgc_end + c * BK + ck)
+    end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
     d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.sum(d, axis=0)[None, :] - tl.cumsum(d, axis=0) + d
     tl.store(dg_p, dg, mask=km)
 
 
-def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None):
+def _chunk_kda_bwd(
+    q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8
+):
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
+
+    `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
+    `_local_v_kernel` are tuning knobs. The defaults are the fastest of bench/tune_bwd.py's sweep on the H200
+    (bf16, (1, 8192, 32), K = V = 128; bench/NOTES.md). That sweep timed the build before local_v's FIRST
+    launch, whose gradients were wrong on the GPU: its times are to be measured again.
 
     With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
     B, T, H, K = q.shape
@@ -496,9 +462,11 @@ def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None):
     aqk = torch.empty(rows, BT, **lo)
     gl = torch.empty(HV * NCH, BK, **f32)
     x = torch.empty(rows, BT, **f32)
-    _prepare_kernel[(NCH, HV)](
-        q, k, v, g, beta, x, w, u, qg, kd, aqk, gl, chunks, T, H, HV, K, V, NT, NCH, scale,
-        BT=BT, BC=SUB, BK=BK, BV=BVP, PREC=prec, IS_VARLEN=varlen, num_warps=4 if BK <= 64 else 8,
+    kc = min(32, BK)
+    _chunk_prepare_kernel[(NCH, HV)](
+        q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
+        BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen, STORE_X=True,
+        num_warps=4,
     )  # fmt: skip
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
@@ -524,19 +492,42 @@ def _chunk_kda_bwd(q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None):
 
     # 5-6. Chunk-local gradients.
     dgc_end = torch.empty(HV * NCH, BK, **f32)
-    dA = torch.empty_like(x)
     dAqk = aqk  # Aqk is no longer needed after kernel 4: its buffer takes dAqk
-    _local_v_kernel[(NCH, HV)](
-        q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, dbeta, dA, dAqk, chunks,
-        T, H, HV, K, V, NT, NCH, scale,
-        BT=BT, BK=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, num_warps=8,
-        **_local_v_stages(BK, w.element_size()),
+    kbv = min(BK, lv_block)  # key channels per program of _local_v_kernel
+    nkb = triton.cdiv(K, kbv)
+    dA_part = torch.empty(nkb, *x.shape, **f32)  # each key block's share of dA (X is still being read)
+    x_numel = x.numel()
+    db_part = torch.empty(nkb, B * T * HV, **f32)
+    for first, grid in ((True, (NCH, HV, 1)), (False, (NCH, HV, nkb - 1))):  # key block 0, then the rest
+        if grid[2] == 0:
+            continue
+        _local_v_kernel[grid](
+            q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, db_part, dA_part, dAqk,
+            chunks, T, H, HV, K, V, NT, NCH, scale, B * T * HV, x_numel,
+            BT=BT, BK=kbv, BKP=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, FIRST=first,
+            num_warps=lv_warps, **_local_v_stages(BK, w.element_size()),
+        )  # fmt: skip
+    del x  # dA stays as its nkb shares: _local_k_kernel adds them as it loads them
+    dbeta.copy_(db_part.sum(0).view(dbeta.shape))
+    del db_part
+    kb = min(BK, lk_block)  # key channels per program: [64, kb] tiles instead of [64, K] ones
+    dbeta_part = torch.zeros(triton.cdiv(K, kb), B * T * HV, **f32)
+    # With one value head per key head, local_k writes dq and dk in the inputs' dtype: no cast kernels after.
+    dq_out, dk_out = dq, dk
+    if HV == H and q.dtype != torch.float32:
+        dq_out, dk_out = (
+            torch.empty(q.shape, device=dev, dtype=q.dtype),
+            torch.empty(k.shape, device=dev, dtype=k.dtype),
+        )
+    _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
+        q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
+        chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
     )  # fmt: skip
-    _local_k_kernel[(NCH, HV)](
-        q, k, g, beta, dA, dAqk, dgc_end, dq, dk, dg, dbeta, chunks, T, H, HV, K, NT, NCH, scale,
-        BT=BT, BC=SUB, BK=BK, PREC=prec, IS_VARLEN=varlen, num_warps=4,
-    )  # fmt: skip
-    return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
+    del dq, dk, dA_part
+    dbeta += dbeta_part.sum(0).view(dbeta.shape)
+    del dbeta_part  # the shares are gone before the casts
+    return _finish(q, k, g, beta, dq_out, dk_out, dv, dg, dbeta, dh0, H)
 
 
 def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):
@@ -549,9 +540,13 @@ def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):
 
 
 def _local_v_stages(BK: int, itemsize: int) -> dict:
-    """Pipeline depth of `_local_v_kernel`. With float32 intermediates Triton's default (3 stages) asks for
-    more shared memory than a Hopper SM has (311 kB at K = 128, V = 64 on the H200; limit 227 kB): two
-    stages fit up to K = 128 (164 kB), one beyond (197 kB at K = V = 256; sizes from compiling for sm_90)."""
+    """Pipeline depth of `_local_v_kernel`, from BK = K padded (not the program's key block). With float32
+    intermediates Triton's default (3 stages) asked for more shared memory than a Hopper SM has when a program
+    held all K key channels (311 kB at K = 128, V = 64 on the H200; limit 227 kB): two stages fit up to
+    K = 128 (164 kB), one beyond (197 kB at K = V = 256; sizes from compiling for sm_90). A program now holds
+    lv_block channels, which needs less, so the rule errs on the safe side. Offline sm_90 compile of the split
+    kernel (Triton 3.9, float32, first key block, blocks of 64): 112 kB at 2 stages (208 kB at 3) for
+    K = V = 128, and 112 kB at 2 stages for K = V = 256, where this rule takes 1 (80 kB)."""
     if itemsize < 4:
         return {}
     return dict(num_stages=2 if BK <= 128 else 1)

@@ -29,7 +29,7 @@ def prepare(q, k, v, g, beta, scale: float | None = None, kc: int | None = None)
     """Run `_chunk_prepare_kernel` alone (float32 inputs) and return its outputs, chunk by chunk.
 
     Returns a dict of `[B, HV, NT, C, *]` tensors, trimmed to K / V columns: `w`, `u`, `qg`, `kd` (`[.., K]` or
-    `[.., V]`), `aqk` (`[.., C, C]`, lower triangle; the kernel never writes above the diagonal blocks), `gl`
+    `[.., V]`), `aqk` (`[.., C, C]`, lower triangle, zeros above), `gl`
     (`[B, HV, NT, K]`, exp(gc_C)), and `flat`: the padded buffers as the scan kernel reads them (layout
     `[HV, B * NT * C, cols]`: value head first, then the global chunk index, then the row). `kc` key columns
     per step of the kernel's column loops (the launcher's default when None).
@@ -54,7 +54,7 @@ def prepare(q, k, v, g, beta, scale: float | None = None, kc: int | None = None)
     kc = kc or min(32, BK)
     if NCH > 0:
         _chunk_prepare_kernel[(NCH, HV)](
-            q, k, v, g, beta, *flat.values(), None, T, H, HV, K, V, NT, NCH, scale,
+            q, k, v, g, beta, *flat.values(), None, None, T, H, HV, K, V, NT, NCH, scale,
             BT=BT, BC=SUB, BK=BK, BV=BV, KC=kc, VC=min(kc, BV), PREC="ieee", IS_VARLEN=False, num_warps=4,
         )  # fmt: skip
 

@@ -7,6 +7,10 @@ to None between steps. Peak memory: `torch.cuda.max_memory_allocated` during one
 allocated before it (the inputs and do). Also the relative difference of each of our gradients from fla's.
 
     python bench/bench_kda_bwd.py --out bench/results/h200_fwd_bwd.json
+    python bench/bench_kda_bwd.py --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
+
+All three shapes take more than 400 s on the H200 (fla autotunes at every shape); `--shapes` times some of
+them and keeps the other rows of an existing --out file.
 """
 
 import argparse
@@ -101,7 +105,16 @@ def kernel_times(x, do):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/h200_fwd_bwd.json")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[",".join(map(str, s)) for s in TIMED],
+        help="B,T,H shapes to time (default: all). Rows of other shapes already in --out are kept, so a run cut "
+        "short by a time limit can be completed shape by shape.",
+    )
+    ap.add_argument("--build", help="what was measured (e.g. a commit), stored as the file's 'build' field")
     args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     res = dict(
         date=datetime.date.today().isoformat(),
         device=torch.cuda.get_device_name(),
@@ -109,7 +122,13 @@ def main():
         note="fwd+bwd = forward then backward of sum(o * do); median ms of triton.testing.do_bench",
         rows=[],
     )
-    for B, T, H in TIMED:
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        res = {**old, **{k: v for k, v in res.items() if k != "rows"}, "rows": old.get("rows", [])}
+    if args.build:
+        res["build"] = args.build
+    for B, T, H in shapes:
         x, do = make_inputs(B, T, H)
         row = dict(B=B, T=T, H=H)
         grads = {}
@@ -144,9 +163,11 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     row[f"{name} peak error"] = repr(e)[:300]
             row["inputs GiB"] = sum(t.numel() * t.element_size() for t in x.values()) / 2**30
-        res["rows"].append(row)
+        res["rows"] = [r for r in res["rows"] if (r["B"], r["T"], r["H"]) != (B, T, H)] + [row]
         print(json.dumps(row), flush=True)
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        if {(r["B"], r["T"], r["H"]) for r in res["rows"]} >= set(TIMED):
+            res.pop("note_partial", None)  # every shape is in: the file is no longer partial
         with open(args.out, "w") as f:  # after every shape: a run cut short still leaves its rows
             json.dump(res, f, indent=1)
         x = do = grads = None

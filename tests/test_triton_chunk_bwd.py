@@ -205,6 +205,9 @@ def test_bf16_gradients_come_back_in_the_input_dtype(HV):
 GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine
     "awkward_T_K_ne_V_grouped": ((2, 1000, 2, 4, 128, 64), True),
     "K_V_128_tail_zero_state": ((1, 777, 2, 2, 128, 128), False),
+    # The recall models' shape class: one chunk per sequence (NT = 1, which Triton specialises as a constant)
+    # and K = V = 64. A GPU recall run crashed on an illegal memory access in a wave that held T = 64 runs.
+    "one_chunk_K_V_64": ((8, 64, 2, 2, 64, 64), True),
 }
 
 

@@ -239,18 +239,22 @@ class _NanEmpty(types.ModuleType):
         return x.fill_(float("nan") if x.dtype.is_floating_point else -7)
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_uninitialised_buffers_are_never_read(varlen):
+@pytest.mark.parametrize("case", ["dense", "varlen", "one_chunk"])
+def test_uninitialised_buffers_are_never_read(case):
     """Every buffer that the forward and the backward take from torch.empty is written before anything reads
     it: with those buffers filled with NaN the gradients keep the same bits. Key blocks of 16 (several programs
     per chunk; K = 48 padded to 64), a tail chunk, and varlen chunks. Fresh memory is often zero, so without
     this a kernel that reads an unwritten entry can pass under the interpreter and fail on a GPU. On a GPU it
-    also compares two runs bit for bit (no kernel uses atomics), which a race inside a program would break."""
-    if varlen:
+    also compares two runs bit for bit (no kernel uses atomics), which a race inside a program would break.
+    "one_chunk": every sequence is one full chunk (NT = 1), K = V = 64, as in the recall models."""
+    if case == "varlen":
         lengths = [70, 0, 5]
         cu = cu_of(lengths)
         inputs, do, dht = make_inputs(1, sum(lengths), 1, 2, 32, 16, n_states=len(lengths))
         fn = functools.partial(chunk_kda, cu_seqlens=cu)
+    elif case == "one_chunk":
+        inputs, do, dht = make_inputs(3, 64, 2, 2, 64, 64)
+        fn = chunk_kda
     else:
         inputs, do, dht = make_inputs(1, 70, 1, 2, 48, 40)
         fn = chunk_kda

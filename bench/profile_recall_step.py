@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from kda_edu.mixers import MixerConfig, RecallConfig, RecallLM
+from kda_edu.mixers import DELTA_RULE_KINDS, MixerConfig, RecallConfig, RecallLM
 from kda_edu.recall_sweep import PRESETS, task_for
 from kda_edu.train import TrainConfig, make_optimizer, masked_loss_and_accuracy, train
 
@@ -101,9 +101,7 @@ def main() -> None:
         f"{'mixer':<16}{'kernel':<10}{'sample':>8}{'forward':>9}{'backward':>9}{'optim':>8}{'loop':>8}  (ms)"
     )
     for kind in args.mixers.split(","):
-        dtypes = (
-            args.kernel_dtypes.split(",") if kind in ("deltanet", "gated_deltanet", "kda") else ["float32"]
-        )
+        dtypes = args.kernel_dtypes.split(",") if kind in DELTA_RULE_KINDS else ["float32"]
         for dtype in dtypes:
             mixer = MixerConfig(kind=kind, **{**preset["mixer"], "kernel_dtype": dtype})
             row = {"task": args.task, "seq_len": args.seq_len, "mixer": kind, "kernel_dtype": dtype}

@@ -46,6 +46,7 @@ from kda_edu.kda_layer import GatedRMSNorm, ShortConv
 from kda_edu.linear_attention import linear_attention_chunked
 
 KINDS = ("linear_attention", "deltanet", "gated_deltanet", "kda", "attention")
+DELTA_RULE_KINDS = ("deltanet", "gated_deltanet", "kda")  # the kinds with beta, which backend="triton" runs
 BACKENDS = ("torch", "triton")
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 LABELS = {
@@ -125,7 +126,7 @@ class TokenMixer(nn.Module):
         self.k_proj = nn.Linear(d_model, H * K, bias=False)
         self.v_proj = nn.Linear(d_model, H * K, bias=False)
         self.conv = ShortConv(3 * H * K, config.conv_size)
-        if config.kind in ("deltanet", "gated_deltanet", "kda"):
+        if config.kind in DELTA_RULE_KINDS:
             self.b_proj = nn.Linear(d_model, H, bias=False)
         if config.kind == "gated_deltanet":  # one decay per head: g = -exp(A_log) softplus(W_f x + dt_bias)
             self.f_proj = nn.Linear(d_model, H, bias=False)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kda_edu.mixers import KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
+from kda_edu.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
 from kda_edu.tasks import make_task, task_to_dict
 from kda_edu.train import TrainConfig, train
 
@@ -153,7 +153,7 @@ def warm_up_kernels(preset: dict) -> None:
     """Compile the Triton kernels the preset's delta-rule mixers use, once, in this process: they land in
     Triton's on-disk cache, so the worker processes load them instead of each compiling its own copy."""
     t0 = time.perf_counter()
-    for kind in ("deltanet", "gated_deltanet", "kda"):
+    for kind in DELTA_RULE_KINDS:
         mixer = TokenMixer(preset["model"]["d_model"], MixerConfig(kind=kind, **preset["mixer"])).cuda()
         x = torch.randn(2, 128, preset["model"]["d_model"], device="cuda", requires_grad=True)
         mixer(x).sum().backward()  # the forward inside autograd launches the same kernels as without it
@@ -248,16 +248,15 @@ def run_sweep(
                 break
             finished = next(as_completed(pending))
             spec, where = pending.pop(finished)
+            data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
             try:
                 record = finished.result()
             except Exception as error:  # noqa: BLE001 - recorded, and retried by the next invocation
                 text = "".join(traceback.format_exception(error))
                 print(f"FAILED {spec} on {where}:\n{text}", flush=True)
-                failed = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
-                data["failed"] = [*failed, {**spec, "error": text[-2000:]}]
+                data["failed"].append({**spec, "error": text[-2000:]})
                 _write(out, data)
                 continue
-            data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
             data["runs"].append(record)
             _write(out, data)
             print(

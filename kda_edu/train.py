@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kda_edu.mixers import RecallConfig, RecallLM
+from kda_edu.mixers import DELTA_RULE_KINDS, RecallConfig, RecallLM
 from kda_edu.tasks import TaskBatch, task_to_dict
 
 FORMAT = "kda_edu.train"
@@ -255,7 +255,7 @@ def train(
     if config.cuda_graph and torch.device(device).type != "cuda":
         raise ValueError(f"TrainConfig.cuda_graph=True needs a CUDA device, got device={device!r}")
     mixer = model_config.mixer
-    if config.cuda_graph and mixer.backend == "torch" and mixer.kind in ("deltanet", "gated_deltanet", "kda"):
+    if config.cuda_graph and mixer.backend == "torch" and mixer.kind in DELTA_RULE_KINDS:
         raise ValueError(
             f"TrainConfig.cuda_graph=True cannot record the {mixer.kind!r} mixer with backend='torch': its PyTorch "
             "form checks the gate and beta values, which makes the CPU wait for the GPU inside the step; use "

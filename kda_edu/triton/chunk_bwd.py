@@ -421,12 +421,14 @@ def _local_k_kernel(
 
 
 def _chunk_kda_bwd(
-    q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8
-):
+    q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
+    lk_stages=None,
+):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
-    `_local_v_kernel` are tuning knobs. The defaults are the fastest of bench/tune_bwd.py's sweep on the H200
+    `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
+    (None: Triton's default). The defaults are the fastest of bench/tune_bwd.py's sweep on the H200
     (bf16, (1, 8192, 32), K = V = 128; bench/NOTES.md). That sweep timed the build before local_v's FIRST
     launch, whose gradients were wrong on the GPU: its times are to be measured again.
 
@@ -523,6 +525,7 @@ def _chunk_kda_bwd(
         q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
         chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
         BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
+        **({} if lk_stages is None else dict(num_stages=lk_stages)),
     )  # fmt: skip
     del dq, dk, dA_part
     dbeta += dbeta_part.sum(0).view(dbeta.shape)

@@ -185,6 +185,7 @@ def run_sweep(
     workers: int = 1,
     max_minutes: float | None = None,
     device: str | None = None,
+    skip: tuple[tuple[str, int], ...] = (),
 ) -> dict:
     """Run (or continue) the sweep of `PRESETS[preset_name]`, writing `out` (.json) and its .csv twin.
 
@@ -196,6 +197,7 @@ def run_sweep(
             machine spread round-robin over its GPUs).
         max_minutes: start no new run after this many minutes (the finished runs are saved; rerun to go on).
         device: "cpu" or "cuda"; None picks CUDA when available.
+        skip: (task, length) cells to leave out of this invocation (they stay pending for the next one).
 
     Returns:
         The results dict as written.
@@ -203,6 +205,11 @@ def run_sweep(
     preset = PRESETS[preset_name]
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cuda" and preset["train"].get("cuda_graph"):
+        # Every run would fail at its first step; say so once instead (a CUDA set-up gone wrong, usually).
+        raise ValueError(
+            f"preset {preset_name!r} replays CUDA graphs and needs a CUDA device, got {device!r}"
+        )
     data = {"preset": preset_name, "config": preset, "runs": []}
     if out.exists():
         data = load_results(out)
@@ -217,7 +224,7 @@ def run_sweep(
         "updated": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     done = {run_key(r) for r in data["runs"]}
-    todo = [s for s in run_specs(preset) if run_key(s) not in done]
+    todo = [s for s in run_specs(preset) if run_key(s) not in done and (s["task"], s["seq_len"]) not in skip]
     print(
         f"{preset_name}: {len(done)} runs done, {len(todo)} to go, {workers} worker(s) on {device}",
         flush=True,
@@ -349,8 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    parser.add_argument(
+        "--skip", nargs="+", default=[], metavar="TASK:LEN", help="cells to leave for a later invocation"
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     args = parser.parse_args(argv)
+    skip = tuple((cell.split(":")[0], int(cell.split(":")[1])) for cell in args.skip)
     if args.dry_run:
         specs = run_specs(PRESETS[args.preset])
         print(f"{len(specs)} runs")
@@ -358,7 +369,12 @@ def main(argv: list[str] | None = None) -> None:
             print(s)
         return
     data = run_sweep(
-        args.preset, args.out, workers=args.workers, max_minutes=args.max_minutes, device=args.device
+        args.preset,
+        args.out,
+        workers=args.workers,
+        max_minutes=args.max_minutes,
+        device=args.device,
+        skip=skip,
     )
     for row in summarize(data["runs"]):
         print(

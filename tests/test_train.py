@@ -128,3 +128,24 @@ def test_sweep_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
         assert [r["seq_len"] for r in data["runs"]] == [16]
         assert [f["seq_len"] for f in data["failed"]] == [64] and "num_keys" in data["failed"][0]["error"]
     assert out.with_suffix(".csv").read_text().count("\n") == 2  # header and the one finished run
+
+
+def test_sweep_skips_cells_and_refuses_a_graph_preset_on_the_cpu(tmp_path, monkeypatch):
+    """`skip` leaves (task, length) cells for a later invocation, which then trains them; a preset that
+    replays CUDA graphs raises on the CPU before any run starts (instead of every run failing on its own)."""
+    tiny = {
+        **PRESETS["quick"],
+        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_size": 4},
+        "tasks": {"mqar": {"lengths": [16, 32], "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
+        "mixers": ["linear_attention"],
+    }
+    monkeypatch.setitem(PRESETS, "tiny", tiny)
+    out = tmp_path / "sweep.json"
+    data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),))
+    assert [r["seq_len"] for r in data["runs"]] == [16]
+    data = run_sweep("tiny", out, workers=1, device="cpu")
+    assert [r["seq_len"] for r in data["runs"]] == [16, 32]
+    monkeypatch.setitem(PRESETS, "tiny_graph", {**tiny, "train": {**tiny["train"], "cuda_graph": True}})
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        run_sweep("tiny_graph", tmp_path / "graph.json", workers=1, device="cpu")
+    assert not (tmp_path / "graph.json").exists()

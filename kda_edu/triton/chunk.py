@@ -191,7 +191,7 @@ def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
     return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _chunk_prepare_kernel(
     q,
     k,
@@ -382,7 +382,7 @@ def _seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
     return c0, n_chunks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _chunk_scan_kernel(
     w,
     u,

@@ -132,7 +132,7 @@ def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr)
     return tl.where((rows // BC == a)[:, None], rep, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _states_kernel(
     w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
     offsets,  # varlen only: int32 [N + 1] first chunk of each sequence
@@ -170,7 +170,7 @@ def _states_kernel(
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo.to(kd_n.dtype), input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _dstates_kernel(
     qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0,  # dh: dS per chunk; dvn: dU per chunk (float32)
     chunks, offsets,  # varlen only: the chunk table and first chunk of each sequence
@@ -219,7 +219,7 @@ def _dstates_kernel(
         tl.store(dh0 + s_off, dS, mask=s_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _local_v_kernel(
     q, k, v, g, beta, do,  # inputs and dO
     u, w, x, h, vn, dh, dvn,  # recomputed intermediates
@@ -331,7 +331,7 @@ def _sum_shares(p, offs, stride, N: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _local_k_kernel(
     q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
     dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)

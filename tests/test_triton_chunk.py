@@ -129,3 +129,26 @@ def test_unsupported_sizes_and_dtypes_raise():
     q, k, v, g, beta, _ = make_inputs(1, 2, 1, 1, 16, 264)
     with pytest.raises(ValueError, match="V <= 256"):
         chunk_kda(q, k, v, g, beta)
+
+
+def test_no_kernel_specialises_the_chunk_count():
+    """Every kernel that takes NT (chunks per sequence) is declared with `do_not_specialize=["NT"]`. Triton
+    compiles an integer argument equal to 1 as a constant; on the H200 (Triton 3.6) the scan kernel's
+    one-chunk variant read shared memory out of bounds (an illegal memory access at T <= 64, found by
+    compute-sanitizer, bench/NOTES.md). The interpreter never specialises, so only this check guards it on a CPU."""
+    import ast
+    import inspect
+
+    from kda_edu.triton import chunk, chunk_bwd
+
+    kernels = 0
+    for module in (chunk, chunk_bwd):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(node, ast.FunctionDef) or not node.name.endswith("_kernel"):
+                continue  # helpers (inlined into the kernels) and launchers
+            if "NT" not in [a.arg for a in node.args.args]:
+                continue
+            jit = [d for d in node.decorator_list if "triton.jit" in ast.unparse(d)]
+            kernels += 1
+            assert 'do_not_specialize=["NT"]' in ast.unparse(jit[0]).replace("'", '"'), node.name
+    assert kernels == 6

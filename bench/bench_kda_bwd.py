@@ -4,7 +4,9 @@ Inputs as in bench/bench_kda.py: bf16 l2-normalised q, k, v ~ N(0, 1), beta = si
 log-space gate g = -5 sigmoid(N(0, 1) - 2); K = V = 128. One step = forward, then backward of sum(o * do) with
 a fixed random do; every input requires grad. Timed with `triton.testing.do_bench` (median), gradients reset
 to None between steps. Peak memory: `torch.cuda.max_memory_allocated` during one step, minus what was
-allocated before it (the inputs and do). Also the relative difference of each of our gradients from fla's.
+allocated before it (the inputs and do), and what the forward leaves allocated for the backward. Also the
+relative difference of each of our gradients from fla's, and whether keeping the forward's intermediates
+(`keep_intermediates=True`, the "kept" rows) changes any bit of them.
 
     python bench/bench_kda_bwd.py --out bench/results/h200_fwd_bwd.json
     python bench/bench_kda_bwd.py --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
@@ -58,6 +60,10 @@ def _fla(x):
 
 METHODS = {
     "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
+    # The same kernels, with the forward's intermediates kept for the backward instead of recomputed there.
+    "kda_edu chunk_kda kept": lambda x: chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], keep_intermediates=True
+    )[0],
     "fla chunk_kda": _fla,
 }
 
@@ -66,15 +72,20 @@ def step(fn, x, do):
     fn(x).backward(do)
 
 
-def peak_gib(fn, x, do):
+def memory_gib(fn, x, do):
+    """(peak of one step, memory held between its forward and its backward), GiB beyond the inputs and do."""
     for t in x.values():
         t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    step(fn, x, do)
+    o = fn(x)
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
+    held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward
+    o.backward(do)
+    del o
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30, held / 2**30
 
 
 def kernel_times(x, do):
@@ -151,15 +162,18 @@ def main():
             )
         if (B, T, H) == TIMED[0]:
             row["kda_edu kernels us"] = kernel_times(x, do)
-        if len(grads) == 2:
-            ours, fla = grads.values()
+        if "fla chunk_kda" in grads and "kda_edu chunk_kda" in grads:
+            ours, fla = grads["kda_edu chunk_kda"], grads["fla chunk_kda"]
             row["rel diff ours vs fla"] = {
                 n: ((a - b).norm() / b.norm()).item() for n, a, b in zip(NAMES, ours, fla, strict=True)
             }
+        if "kda_edu chunk_kda kept" in grads and "kda_edu chunk_kda" in grads:
+            pairs = zip(grads["kda_edu chunk_kda"], grads["kda_edu chunk_kda kept"], strict=True)
+            row["kept gradients equal to recomputed"] = all(torch.equal(a, b) for a, b in pairs)
         if (B, T, H) == MEMORY:
             for name, fn in METHODS.items():
                 try:
-                    row[f"{name} peak GiB"] = peak_gib(fn, x, do)
+                    row[f"{name} peak GiB"], row[f"{name} held after forward GiB"] = memory_gib(fn, x, do)
                 except Exception as e:  # noqa: BLE001
                     row[f"{name} peak error"] = repr(e)[:300]
             row["inputs GiB"] = sum(t.numel() * t.element_size() for t in x.values()) / 2**30

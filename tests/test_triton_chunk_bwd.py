@@ -114,6 +114,40 @@ def test_forward_unchanged():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_kept_intermediates_give_the_same_bits(varlen):
+    """keep_intermediates=True hands the forward's buffers to the backward instead of recomputing them: the
+    same kernels on the same inputs, so outputs and all six gradients are bit for bit those of the default.
+    The first backward empties the kept buffers; a second one (retain_graph) recomputes and agrees too."""
+    if varlen:
+        inputs, do, dht = make_inputs(1, 140, 1, 2, 16, 32, n_states=3)
+        cu = torch.tensor([0, 70, 75, 140], device=DEVICE)
+    else:
+        inputs, do, dht = make_inputs(2, 70, 1, 2, 16, 32)
+        cu = None
+
+    def run(keep, backwards=1):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        o, ht = chunk_kda(
+            *xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, keep_intermediates=keep
+        )
+        kept = o.grad_fn.kept
+        assert (kept is not None and len(kept) == 7) == keep
+        loss = (o * do).sum() + (ht * dht).sum()
+        out = []
+        for i in range(backwards):
+            got = torch.autograd.grad(loss, xs, retain_graph=i + 1 < backwards)
+            out.append(got)
+            assert o.grad_fn.kept is None  # the buffers were handed over (or never kept)
+        return (o.detach(), ht.detach()), out
+
+    (o_a, ht_a), (grads_a,) = run(False)
+    (o_b, ht_b), (grads_b, grads_again) = run(True, backwards=2)
+    assert torch.equal(o_a, o_b) and torch.equal(ht_a, ht_b)
+    for name, a, b, c in zip(NAMES, grads_a, grads_b, grads_again, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
 def test_rejects_unsupported_dtype():
     inputs, _, _ = make_inputs(1, 4, 1, 1, 16, 16)
     with pytest.raises(TypeError, match="bfloat16"):

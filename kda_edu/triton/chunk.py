@@ -471,6 +471,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    keep_intermediates: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with Triton kernels; same contract as `kda_edu.kda.kda_chunked`.
 
@@ -489,6 +490,10 @@ def chunk_kda(
         output_final_state: also return the state after the last step (of each sequence).
         cu_seqlens: optional int32/int64 `[N + 1]` cumulative sequence lengths (FlashAttention's convention)
             for N sequences packed along T with B = 1; each sequence runs as if alone, from its own state.
+        keep_intermediates: only with gradients: keep the forward's chunk intermediates (w, u, qg, kd, Aqk
+            and X = (I + A)^-1, about 1.1 times the bytes of q, k, v and g together at K = V = 128 in bf16)
+            until the backward, instead of recomputing them there. The backward then skips its first kernel;
+            the memory held between forward and backward grows by those bytes, its peak does not.
 
     Returns:
         `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` (`[N, HV, K, V]` with
@@ -514,7 +519,9 @@ def chunk_kda(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         from kda_edu.triton.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
 
-        return ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+        return ChunkKDAFunction.apply(
+            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, bool(keep_intermediates)
+        )
     return _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
 
 
@@ -541,7 +548,7 @@ def chunk_layout(T: int, B: int = 1, cu_seqlens: torch.Tensor | None = None, chu
 
 def _chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
-    bv=None, kc=None, warps_prepare=4, warps_scan=4, stages=2, stop_after=None, info=None,
+    bv=None, kc=None, warps_prepare=4, warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
 ):  # fmt: skip
     """Launch the two kernels on validated inputs.
 
@@ -549,6 +556,8 @@ def _chunk_kda_fwd(
     scan program, `kc` key (and value) columns per step of the prepare kernel's passes, `warps_*` warps per
     program of each kernel, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the
     first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory of each.
+    `keep`, a dict, receives the prepare kernel's outputs (w, u, qg, kd, aqk, gl) and X = (I + A)^-1, which
+    the prepare then also writes (STORE_X): everything the backward would otherwise recompute first.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -572,12 +581,15 @@ def _chunk_kda_fwd(
     aqk = torch.empty(rows, BT, device=dev, dtype=idt)
     gl = torch.empty(HV * NCH, BK, device=dev, dtype=torch.float32)
     varlen = cu_seqlens is not None
+    x = torch.empty(rows, BT, device=dev, dtype=torch.float32) if keep is not None else None
+    if keep is not None:
+        keep.update(w=w, u=u, qg=qg, kd=kd, aqk=aqk, gl=gl, x=x)
     if NCH > 0:
         kc = kc or min(32, BK)
         kernel = _chunk_prepare_kernel[(NCH, HV)](
-            q, k, v, g, beta, w, u, qg, kd, aqk, gl, None, chunks, T, H, HV, K, V, NT, NCH, scale,
+            q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
             BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen,
-            num_warps=warps_prepare,
+            STORE_X=keep is not None, num_warps=warps_prepare,
         )  # fmt: skip
         if info is not None:
             info["prepare"] = _resources(kernel)

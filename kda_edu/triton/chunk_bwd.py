@@ -422,9 +422,12 @@ def _local_k_kernel(
 
 def _chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
-    lk_stages=None,
+    lk_stages=None, kept=None,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
+
+    `kept`: the forward's intermediates (`_chunk_kda_fwd`'s `keep` dict), used instead of running kernels
+    1-2 again. The dict is emptied, so that each buffer is freed here as soon as it is no longer needed.
 
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
@@ -458,18 +461,21 @@ def _chunk_kda_bwd(
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
 
-    # 1-2. Recompute the chunk-local intermediates and the UT inverse.
-    w, qg, kd = (torch.empty(rows, BK, **lo) for _ in range(3))
-    u = torch.empty(rows, BVP, **lo)
-    aqk = torch.empty(rows, BT, **lo)
-    gl = torch.empty(HV * NCH, BK, **f32)
-    x = torch.empty(rows, BT, **f32)
-    kc = min(32, BK)
-    _chunk_prepare_kernel[(NCH, HV)](
-        q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
-        BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen, STORE_X=True,
-        num_warps=4,
-    )  # fmt: skip
+    # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's).
+    if kept is not None:
+        w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
+    else:
+        w, qg, kd = (torch.empty(rows, BK, **lo) for _ in range(3))
+        u = torch.empty(rows, BVP, **lo)
+        aqk = torch.empty(rows, BT, **lo)
+        gl = torch.empty(HV * NCH, BK, **f32)
+        x = torch.empty(rows, BT, **f32)
+        kc = min(32, BK)
+        _chunk_prepare_kernel[(NCH, HV)](
+            q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
+            BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen, STORE_X=True,
+            num_warps=4,
+        )  # fmt: skip
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
     bv = min(BVP, 32)
@@ -556,13 +562,21 @@ def _local_v_stages(BK: int, itemsize: int) -> dict:
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """`chunk_kda` with a Triton backward. The forward saves only its inputs; the backward recomputes."""
+    """`chunk_kda` with a Triton backward. The forward saves its inputs, and with `keep_intermediates` also
+    its chunk intermediates; otherwise the backward recomputes them.
+
+    The intermediates are not saved tensors but a dict on ctx that the first backward empties (each buffer is
+    freed as soon as that backward is done with it, and `aqk` becomes dAqk in place). A second backward
+    through the same graph (`retain_graph=True`) finds the dict empty and recomputes them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(
+        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_intermediates
+    ):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = initial_state.contiguous() if initial_state is not None else None
-        o, ht = _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+        ctx.kept = {} if keep_intermediates else None
+        o, ht = _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep=ctx.kept)
         ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
         ctx.scale = scale
         return o, ht
@@ -572,5 +586,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+        kept, ctx.kept = (ctx.kept or None), None  # None: a second backward, recompute
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(
+            q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, kept=kept
+        )
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None

@@ -112,16 +112,20 @@ def test_cuda_graph_steps_match_ordinary_steps(kind):
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-3 * abs(a["eval_loss"]), (a, b)
 
 
+def tiny_preset(lengths: list[int]) -> dict:
+    """A two-step sweep of linear attention on MQAR with 4 keys, at the given lengths."""
+    return {
+        **PRESETS["quick"],
+        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_size": 4},
+        "tasks": {"mqar": {"lengths": lengths, "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
+        "mixers": ["linear_attention"],
+    }
+
+
 def test_sweep_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
     """A run that raises is listed under "failed" with its traceback; the other runs are trained and saved,
     and the next invocation tries the failed run again (here it fails again: MQAR at T = 64 needs 8 keys)."""
-    tiny = {
-        **PRESETS["quick"],
-        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_size": 4},
-        "tasks": {"mqar": {"lengths": [16, 64], "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
-        "mixers": ["linear_attention"],
-    }
-    monkeypatch.setitem(PRESETS, "tiny", tiny)
+    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16, 64]))
     out = tmp_path / "sweep.json"
     for _ in range(2):
         data = run_sweep("tiny", out, workers=1, device="cpu")
@@ -133,12 +137,7 @@ def test_sweep_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
 def test_sweep_skips_cells_and_refuses_a_graph_preset_on_the_cpu(tmp_path, monkeypatch):
     """`skip` leaves (task, length) cells for a later invocation, which then trains them; a preset that
     replays CUDA graphs raises on the CPU before any run starts (instead of every run failing on its own)."""
-    tiny = {
-        **PRESETS["quick"],
-        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_size": 4},
-        "tasks": {"mqar": {"lengths": [16, 32], "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
-        "mixers": ["linear_attention"],
-    }
+    tiny = tiny_preset([16, 32])
     monkeypatch.setitem(PRESETS, "tiny", tiny)
     out = tmp_path / "sweep.json"
     data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),))

@@ -236,6 +236,32 @@ def test_bf16_gradients_come_back_in_the_input_dtype(HV):
         assert rel_rms(x, r) <= 1e-2, (name, rel_rms(x, r))
 
 
+STRONG_GATES = {  # dtype ids: the interpreter runs float32 only; a GPU also bf16 (Gated DeltaNet's recall runs)
+    "cpu": [torch.float32],
+    "cuda": [torch.bfloat16, torch.float32],
+}
+
+
+@pytest.mark.parametrize("dtype", STRONG_GATES[DEVICE], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("gate", [-60.0, -300.0])
+def test_strong_gates_shared_across_channels(gate, dtype):
+    """Gated DeltaNet's case: one decay per head, copied to every key channel, with the unbounded gate
+    (-exp(A_log) softplus(.)) far below KDA's -5 bound: down to `gate` per step, so that a 16-step block decays
+    by up to e^-4800. Every gradient stays finite and close to float64 (dg least: it sums terms of very
+    different sizes). On a GPU also in bf16, as the recall sweep trains."""
+    inputs, do, dht = make_inputs(1, 130, 1, 1, 16, 16, gate=gate, seed=1)
+    inputs[3] = inputs[3][..., :1].expand_as(inputs[3]).contiguous()
+    inputs[:3] = [x.to(dtype).float() for x in inputs[:3]]  # the oracle sees the rounded q, k, v
+    ref = oracle(inputs, do, dht)
+    got = grads(chunk_kda, inputs, do, dht, dtype=dtype)
+    tol = {torch.float32: 1e-3 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert torch.isfinite(x).all(), name
+        err = rel_rms(x, r)
+        print(f"gate {gate} {dtype} d{name}: {err:.2e}")
+        assert err <= tol, (name, err)
+
+
 GPU_CASES = {  # few cases: each new (dtype, K, V) compiles six kernels, about 40 s on the GPU machine
     "awkward_T_K_ne_V_grouped": ((2, 1000, 2, 4, 128, 64), True),
     "K_V_128_tail_zero_state": ((1, 777, 2, 2, 128, 128), False),

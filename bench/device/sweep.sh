@@ -1,0 +1,15 @@
+# Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
+# (the cells after TIMEOUT_S are left for a later call). Logs and the results go to $OUT (see README.md).
+source bench/device/env.sh
+GPU=$1; WORKERS=$2; MAXMIN=$3; TMO=$4; shift 4
+TAG=${GPU//,/_}  # file names that come back from $OUT: letters, digits, . _ - only
+export CUDA_VISIBLE_DEVICES=$GPU
+nvidia-smi dmon -s u -d 15 > "$OUT/dmon_$TAG.log" 2>&1 &
+DMON=$!
+SKIP=()
+[ $# -gt 0 ] && SKIP=(--skip "$@")
+timeout "$TMO" python -m kda_edu.recall_sweep --preset gpu --out bench/results/recall_gpu.json \
+    --workers "$WORKERS" --max-minutes "$MAXMIN" "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
+echo "sweep exit $?" >> "$OUT/sweep_$TAG.log"
+cp bench/results/recall_gpu.json bench/results/recall_gpu.csv "$OUT/"
+kill $DMON

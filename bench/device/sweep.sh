@@ -1,5 +1,5 @@
 # Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
-# (the cells after TIMEOUT_S are left for a later call). Logs and the results go to $OUT (see README.md).
+# Runs not started by MAX_MINUTES stay pending; runs still going at TIMEOUT_S are lost. Logs and results go to $OUT.
 source bench/device/env.sh
 GPU=$1; WORKERS=$2; MAXMIN=$3; TMO=$4; shift 4
 TAG=${GPU//,/_}  # file names that come back from $OUT: letters, digits, . _ - only

@@ -69,8 +69,10 @@ import triton
 import triton.language as tl
 
 from kda_edu._backend import interpreting
-from kda_edu.triton.chunk import (
+from kda_edu.triton.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     _DIAG_LIMIT,
+    CHUNK,
+    SUB,
     _chunk_kda_fwd,
     _chunk_prepare_kernel,
     _chunk_span,
@@ -80,9 +82,6 @@ from kda_edu.triton.chunk import (
     _seq_chunks,
     chunk_layout,
 )
-
-CHUNK = 64  # steps per chunk in the backward (its own choice; the forward's may differ)
-SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
 
 
 @triton.jit

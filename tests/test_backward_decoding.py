@@ -217,19 +217,22 @@ def test_backward_memory_knobs_are_the_backwards_defaults():
 class _Alive:
     """Stands in for one of chunk_bwd's kernels (or `_finish`): before passing the call on, records the bytes
     of every tensor the calling `_chunk_kda_bwd` holds in its local variables, its inputs excepted, each
-    storage once (dAqk shares Aqk's buffer; dq_out, dk_out are dq, dk unless local_k writes 16-bit ones)."""
+    storage once (dAqk shares Aqk's buffer; dq_out, dk_out are dq, dk unless local_k writes 16-bit ones).
+    With `after`, for `prepare_chunks`, which allocates its buffers itself: records once the call has
+    returned, counting the buffers it returns too."""
 
     INPUTS = {"q", "k", "v", "g", "beta", "h0", "do", "dht", "cu_seqlens", "chunks", "offsets"}
 
-    def __init__(self, fn, phase, log):
-        self.fn, self.phase, self.log = fn, phase, log
+    def __init__(self, fn, phase, log, after=False):
+        self.fn, self.phase, self.log, self.after = fn, phase, log, after
 
-    def _record(self):
+    def _record(self, returned=()):
         frame = sys._getframe(2)
         assert frame.f_code.co_name == "_chunk_kda_bwd"
         storages = {}
-        for name, t in frame.f_locals.items():
-            if isinstance(t, torch.Tensor) and name not in self.INPUTS:
+        tensors = [t for name, t in frame.f_locals.items() if name not in self.INPUTS]
+        for t in [*tensors, *returned]:
+            if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 storages[s.data_ptr()] = s.nbytes()
         self.log.setdefault(self.phase, sum(storages.values()))  # local_v's first launch
@@ -239,8 +242,12 @@ class _Alive:
         return self.fn[grid]
 
     def __call__(self, *args, **kwargs):
-        self._record()
-        return self.fn(*args, **kwargs)
+        if not self.after:
+            self._record()
+            return self.fn(*args, **kwargs)
+        result = self.fn(*args, **kwargs)
+        self._record(returned=result[0].values())
+        return result
 
 
 @pytest.mark.parametrize(
@@ -269,14 +276,15 @@ def test_backward_memory_follows_the_allocations(K, V, knobs, dtype):
     xs = {n: t.clone().requires_grad_() for n, t in x.items()}
     log = {}
     phases = {
-        "_chunk_prepare_kernel": "recompute (kernels 1-2)",
+        "prepare_chunks": "recompute (kernels 1-2)",
         "_dstates_kernel": "state passes (3-4)",
         "_local_v_kernel": "local_v (5)",
         "_local_k_kernel": "local_k (6)",
         "_finish": "casts",
     }
     patches = [
-        mock.patch.object(chunk_bwd, n, _Alive(getattr(chunk_bwd, n), p, log)) for n, p in phases.items()
+        mock.patch.object(chunk_bwd, n, _Alive(getattr(chunk_bwd, n), p, log, after=n == "prepare_chunks"))
+        for n, p in phases.items()
     ]
     original = chunk_bwd._chunk_kda_bwd
     patches.append(

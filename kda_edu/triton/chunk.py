@@ -546,6 +546,61 @@ def chunk_layout(T: int, B: int = 1, cu_seqlens: torch.Tensor | None = None, chu
     return 0, len(table), chunks, torch.tensor(offsets, dtype=torch.int32).to(dev)
 
 
+def work_precision(dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """What the kernels keep their intermediates in, and the input precision of their products, for inputs
+    of `dtype`: float32 and exact ("ieee") products for float32 inputs; else the input's 16-bit dtype and
+    tf32 products. Triton's interpreter keeps everything in float32."""
+    idt = torch.float32 if (interpreting() or dtype == torch.float32) else dtype
+    return idt, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def scan_value_block(programs: int, V: int, BVP: int) -> int:
+    """Value columns per program of a pass over the chunks of each sequence (`_chunk_scan_kernel`, and the
+    backward's two state passes). Their only parallelism is `programs` (sequences x value heads) times the
+    value blocks: with few of them, narrower blocks keep the GPU's 100+ multiprocessors busy."""
+    bv = min(BVP, 32)
+    if not interpreting() and programs * triton.cdiv(V, bv) < 128:
+        bv = 16
+    return bv
+
+
+def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4):
+    """Allocate the prepare kernel's outputs and launch it on contiguous inputs; forward and backward share
+    this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
+
+    Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
+    and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
+    x (X = (I + A)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
+    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT, NCH, chunks, _ = layout
+    BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
+    idt, prec = work_precision(q.dtype)
+    rows, lo = HV * NCH * BT, dict(device=q.device, dtype=idt)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    buffers = dict(
+        w=torch.empty(rows, BK, **lo),
+        u=torch.empty(rows, BVP, **lo),
+        qg=torch.empty(rows, BK, **lo),
+        kd=torch.empty(rows, BK, **lo),
+        aqk=torch.empty(rows, BT, **lo),
+        gl=torch.empty(HV * NCH, BK, **f32),
+        x=torch.empty(rows, BT, **f32) if store_x else None,
+    )
+    if NCH == 0:
+        return buffers, None
+    kc = kc or min(32, BK)
+    w, u, qg, kd, aqk, gl, x = buffers.values()
+    kernel = _chunk_prepare_kernel[(NCH, HV)](
+        q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
+        BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=chunks is not None,
+        STORE_X=store_x, num_warps=warps,
+    )  # fmt: skip
+    return buffers, kernel
+
+
 def _chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
     bv=None, kc=None, warps_prepare=4, warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
@@ -561,36 +616,22 @@ def _chunk_kda_fwd(
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    interp = interpreting()
     BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
-    NT, NCH, chunks, offsets = chunk_layout(T, B, cu_seqlens)
+    layout = chunk_layout(T, B, cu_seqlens)
+    NT, NCH, _, offsets = layout
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # Intermediates: float32 for float32 inputs and under the interpreter, else the input's 16-bit dtype.
-    idt = torch.float32 if (interp or q.dtype == torch.float32) else q.dtype
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = work_precision(q.dtype)[1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
 
     dev = q.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    rows = HV * NCH * BT
-    w = torch.empty(rows, BK, device=dev, dtype=idt)
-    qg = torch.empty(rows, BK, device=dev, dtype=idt)
-    kd = torch.empty(rows, BK, device=dev, dtype=idt)
-    u = torch.empty(rows, BVP, device=dev, dtype=idt)
-    aqk = torch.empty(rows, BT, device=dev, dtype=idt)
-    gl = torch.empty(HV * NCH, BK, device=dev, dtype=torch.float32)
-    varlen = cu_seqlens is not None
-    x = torch.empty(rows, BT, device=dev, dtype=torch.float32) if keep is not None else None
+    buffers, kernel = prepare_chunks(
+        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare
+    )
     if keep is not None:
-        keep.update(w=w, u=u, qg=qg, kd=kd, aqk=aqk, gl=gl, x=x)
-    if NCH > 0:
-        kc = kc or min(32, BK)
-        kernel = _chunk_prepare_kernel[(NCH, HV)](
-            q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
-            BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen,
-            STORE_X=keep is not None, num_warps=warps_prepare,
-        )  # fmt: skip
+        keep.update(buffers)
+    if kernel is not None:
         if info is not None:
             info["prepare"] = _resources(kernel)
         if stop_after is not None:
@@ -598,18 +639,15 @@ def _chunk_kda_fwd(
     if N * HV == 0 or V == 0:
         return o, ht
 
+    w, u, qg, kd, aqk, gl = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
     if bv is None:
-        # The scan's only parallelism is (sequence, value head, value block): use narrower value blocks when
-        # there are few heads, so that the programs still cover the GPU's 100+ multiprocessors.
-        bv = min(BVP, 32)
-        if not interp and N * HV * triton.cdiv(V, bv) < 128:
-            bv = 16
+        bv = scan_value_block(N * HV, V, BVP)
     if BK * w.element_size() > 512:
         stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
     kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
         w, u, qg, kd, aqk, gl, o, h0, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH,
         BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
-        IS_VARLEN=varlen, num_warps=warps_scan, num_stages=stages,
+        IS_VARLEN=cu_seqlens is not None, num_warps=warps_scan, num_stages=stages,
     )  # fmt: skip
     if info is not None:
         info["scan"] = _resources(kernel)

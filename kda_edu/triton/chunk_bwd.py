@@ -68,19 +68,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_edu._backend import interpreting
 from kda_edu.triton.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     _DIAG_LIMIT,
     CHUNK,
     SUB,
     _chunk_kda_fwd,
-    _chunk_prepare_kernel,
     _chunk_span,
     _diag_span,
     _load_rows,
     _pow2,
     _seq_chunks,
     chunk_layout,
+    prepare_chunks,
+    scan_value_block,
+    work_precision,
 )
 
 
@@ -437,13 +438,12 @@ def _chunk_kda_bwd(
     With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    interp = interpreting()
     BT, BK, BVP = CHUNK, _pow2(K), _pow2(V)
     varlen = cu_seqlens is not None
-    NT, NCH, chunks, offsets = chunk_layout(T, B, cu_seqlens, BT)
+    layout = chunk_layout(T, B, cu_seqlens, BT)
+    NT, NCH, chunks, offsets = layout
     N = cu_seqlens.numel() - 1 if varlen else B
-    idt = torch.float32 if (interp or q.dtype == torch.float32) else q.dtype
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    idt, prec = work_precision(q.dtype)
     dev = q.device
     rows = HV * NCH * BT
     f32 = dict(device=dev, dtype=torch.float32)
@@ -461,25 +461,12 @@ def _chunk_kda_bwd(
         return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
 
     # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's).
-    if kept is not None:
-        w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
-    else:
-        w, qg, kd = (torch.empty(rows, BK, **lo) for _ in range(3))
-        u = torch.empty(rows, BVP, **lo)
-        aqk = torch.empty(rows, BT, **lo)
-        gl = torch.empty(HV * NCH, BK, **f32)
-        x = torch.empty(rows, BT, **f32)
-        kc = min(32, BK)
-        _chunk_prepare_kernel[(NCH, HV)](
-            q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
-            BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=varlen, STORE_X=True,
-            num_warps=4,
-        )  # fmt: skip
+    if kept is None:
+        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True)[0]
+    w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
-    bv = min(BVP, 32)
-    if not interp and N * HV * triton.cdiv(V, bv) < 128:
-        bv = 16
+    bv = scan_value_block(N * HV, V, BVP)
     stages = 1 if BK * w.element_size() > 512 else 2
     h = torch.empty(HV * NCH, BK, BVP, **lo)
     vn = torch.empty(rows, BVP, **lo)

@@ -88,3 +88,21 @@ def test_one_repository_url():
     readme = (ROOT / "README.md").read_text()
     found = set(re.findall(r"https://github\.com/[\w.-]+/kda-edu\b", readme))
     assert found <= {url}, f"README names another repository address: {found - {url}}"
+
+
+def test_the_chapter_map_names_each_chapters_modules():
+    """The introduction's table sends a reader from a chapter to its code: every module it names exists,
+    and each row names the modules of that chapter's "The code behind this chapter" line."""
+    rows = [
+        line
+        for line in (ROOT / "book" / "intro.md").read_text().splitlines()
+        if re.match(r"\| .*\| \d+\. ", line)
+    ]
+    assert len(rows) == len(NOTEBOOKS)
+    for row in rows:
+        number = int(re.search(r"\| (\d+)\. ", row).group(1))
+        named = re.findall(r"`(kda_edu/[\w/]+\.py)`", row)
+        assert named and all((ROOT / m).is_file() for m in named), row
+        chapter = next(p for p in chapter_markdown() if p.stem.startswith(f"{number:02d}_"))
+        behind = chapter.read_text().split("The code behind this chapter:", 1)[1].split("\n\n", 1)[0]
+        assert all(f"`{m}`" in behind for m in named), (chapter.name, named)

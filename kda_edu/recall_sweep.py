@@ -31,7 +31,7 @@ import torch
 
 from kda_edu.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
 from kda_edu.tasks import make_task, task_to_dict
-from kda_edu.train import TrainConfig, train
+from kda_edu.train import GATE_PARAMETERS, TrainConfig, train
 
 # Task parameters besides the length; MQAR's number of pairs grows with the length (`pairs_per_token`).
 PRESETS = {
@@ -145,6 +145,9 @@ def run_one(preset: dict, spec: dict, device: str = "cpu", threads: int | None =
         "task_config": task_to_dict(task),
         "model_config": model_config.to_dict(),
         "train_config": asdict(train_config),
+        # Left out of AdamW's weight decay whatever their shape (runs without this field decayed KDA's
+        # [H, K] dt_bias: the GPU sweep's first 78 runs).
+        "undecayed_gate_parameters": list(GATE_PARAMETERS),
         "history": result.history,
     }
 

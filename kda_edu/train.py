@@ -166,10 +166,17 @@ def build_model(model_config: RecallConfig, seed: int) -> RecallLM:
         return RecallLM(model_config)
 
 
+# The decay's parameters: not weights but the gates' rates and step sizes. KDA's dt_bias is [H, K], a matrix
+# by shape, and weight decay would pull it (and so the decay it sets) towards zero; Gated DeltaNet's is [H].
+GATE_PARAMETERS = ("A_log", "dt_bias")
+
+
 def make_optimizer(model: RecallLM, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on the matrices (and the embedding) only."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    """AdamW with weight decay on the weight matrices, the embedding and the convolution kernels only: not on
+    norm weights, biases or the gates' `GATE_PARAMETERS`, whatever their shape."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and n.rsplit(".", 1)[-1] not in GATE_PARAMETERS]
+    no_decay = [p for n, p in named if p.dim() < 2 or n.rsplit(".", 1)[-1] in GATE_PARAMETERS]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kda_edu.mixers import MixerConfig, RecallConfig
+from kda_edu.mixers import MixerConfig, RecallConfig, RecallLM
 from kda_edu.recall_sweep import PRESETS, run_specs, run_sweep, summarize, task_for
 from kda_edu.tasks import MQAR
-from kda_edu.train import TrainConfig, lr_at, masked_loss_and_accuracy, train
+from kda_edu.train import GATE_PARAMETERS, TrainConfig, lr_at, make_optimizer, masked_loss_and_accuracy, train
 
 TASK = MQAR(seq_len=16, num_pairs=2, num_keys=4, num_values=4)
 MODEL = RecallConfig(
@@ -34,6 +34,27 @@ def test_a_tiny_run_reduces_the_loss():
     assert history[-1]["eval_loss"] < 0.8 * history[0]["eval_loss"]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert history[-1]["eval_acc"] > 1.5 / TASK.num_values  # better than guessing a value
+
+
+@pytest.mark.parametrize("kind", ["kda", "gated_deltanet", "attention"])
+def test_weight_decay_spares_norms_biases_and_the_gates(kind):
+    """KDA's dt_bias is [H, K], a matrix by shape: it must be left undecayed like Gated DeltaNet's [H] one,
+    or the two mixers' decays would be trained under different rules."""
+    model = RecallLM(replace(MODEL, mixer=MixerConfig(kind, 2, 8, chunk_size=8)))
+    decay, no_decay = make_optimizer(model, CONFIG).param_groups
+    assert decay["weight_decay"] == CONFIG.weight_decay and no_decay["weight_decay"] == 0.0
+    ids = {id(p) for p in decay["params"]}
+    for name, p in model.named_parameters():
+        last = name.rsplit(".", 1)[-1]
+        expected = p.dim() >= 2 and last not in GATE_PARAMETERS
+        assert (id(p) in ids) == expected, name
+    gates = [n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] in GATE_PARAMETERS]
+    assert len(gates) == (0 if kind == "attention" else 2 * MODEL.n_layers)
+    dt_bias = [p for n, p in model.named_parameters() if n.endswith("dt_bias")]
+    assert all(id(p) not in ids for p in dt_bias) and all(
+        p.dim() == (2 if kind == "kda" else 1) for p in dt_bias
+    )
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
 @pytest.fixture(scope="module")

@@ -232,18 +232,23 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
     """Per token and value head: what a forward would keep for the backward, and what recomputing costs.
 
     The chunk-local intermediates the backward needs are w, qg, kd (K numbers each), u (V), one row of Aqk
-    (C) in the input dtype, and one row of X = (I + A)^-1 (C numbers, float32). Recomputing them (the
-    forward's prepare kernel, which the backward runs again with X as one more output) costs, per token: the
-    two Gram matrices A and Aqk (2 C K multiply-adds each), the triangular inverse (C^2 / 3 multiply-adds per
-    row, a third of C^3 per chunk), and w and u (C K and C V multiply-adds), at 2 FLOPs per multiply-add.
-    The inputs the Triton backward saves instead are q, k, v (input dtype), g (float32) and beta (input
-    dtype).
+    (C) in the input dtype, and one row of X = (I + A)^-1 (C numbers, float32). Recomputing them is the
+    forward's prepare kernel run again with STORE_X, counted as chapter 8 counts the kernels
+    (`kda_edu.triton.chunk_kernel.design_flops`): the prepare phases (the 16 x 16 blocks of A and Aqk on and
+    below the diagonal, the four diagonal-block inverses, w and u by block forward substitution) plus the
+    STORE_X pass, the same substitution with the C columns of the identity as right-hand sides. The forward
+    it is compared with is both forward kernels, all of `design_flops`: the scan's products against the
+    state and against U are most of its FLOPs. The inputs the Triton backward saves instead are q, k, v
+    (input dtype), g (float32) and beta (input dtype).
 
     Returns:
         `{"stored": {name: bytes}, "stored_bytes", "saved_input_bytes", "recompute_flops",
-        "forward_flops"}`, all per token and head; forward_flops is 6 K V + 3 C K + C^2 (ANCHORS.md's count
-        for K = V).
+        "forward_flops"}`, all per token and head.
     """
+    from kda_edu.triton.chunk_kernel import design_flops  # here, not at the top: importing it sets up Triton
+
+    flops = design_flops(K, V, C)
+    per_column = flops["prepare: w, u by block substitution"] / (K + V)  # substitution FLOPs per column
     stored = {
         "w": K * in_bytes,
         "qg": K * in_bytes,
@@ -256,8 +261,8 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
         stored=stored,
         stored_bytes=sum(stored.values()),
         saved_input_bytes=(2 * K + V) * in_bytes + 4 * K + in_bytes,
-        recompute_flops=2 * (2 * C * K + 2 * C * K + C * C / 3 + C * K + C * V),
-        forward_flops=6 * K * V + 3 * C * K + C * C,
+        recompute_flops=sum(f for name, f in flops.items() if name.startswith("prepare")) + per_column * C,
+        forward_flops=sum(flops.values()),
     )
 
 

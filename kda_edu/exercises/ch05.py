@@ -1,11 +1,16 @@
-"""Checkers and worked solutions for the exercises of chapter 5, Kimi Delta Attention."""
+"""Checkers and worked solutions for the exercises of chapter 5, Kimi Delta Attention.
+
+Each `check_*` compares the reader's answer with what KDA, its gates or the dtypes actually do; while the answer
+is still the book's placeholder None, the checker only repeats the question. Each `solution_*` is the worked
+solution the book shows.
+"""
 
 import math
 
 import torch
 
 from kda_edu.dplr import kda_transition
-from kda_edu.exercises import expect, passed
+from kda_edu.exercises import expect, not_answered, passed
 from kda_edu.gate_bounds import log_max
 from kda_edu.gates import kda_gate
 from kda_edu.two_timescales import channel_gates, make_task, retrieval_errors
@@ -24,7 +29,13 @@ def check_dplr_vectors(fn) -> str:
         k = torch.randn(K, generator=gen, dtype=torch.float64)  # not unit length on purpose
         g = -2 * torch.rand(K, generator=gen, dtype=torch.float64)
         beta = torch.rand((), generator=gen, dtype=torch.float64)
-        d, a, b = (torch.as_tensor(x, dtype=torch.float64) for x in fn(k, g, beta))
+        answer = fn(k, g, beta)
+        if answer is None:
+            return not_answered(
+                "write dplr_vectors(k, g, beta), returning (d, a, b) with "
+                "Diag(d) - a b^T = (I - beta k k^T) Diag(exp(g))."
+            )
+        d, a, b = (torch.as_tensor(x, dtype=torch.float64) for x in answer)
         expect(
             d.shape == a.shape == b.shape == (K,),
             f"return three vectors of shape [K] = [{K}], got {tuple(d.shape)}, {tuple(a.shape)}, {tuple(b.shape)}",
@@ -66,6 +77,10 @@ def check_max_safe_steps(fn) -> str:
     """`fn(lower_bound, dtype) -> n`: the most steps at the bound whose growth factor exp(n |bound|) is finite."""
     for lower_bound, dtype in _SAFE_STEP_CASES:
         n = fn(lower_bound, dtype)
+        if n is None:
+            return not_answered(
+                "write max_safe_steps(lower_bound, dtype), the most steps at the bound that fit."
+            )
         expect(isinstance(n, int), f"return a Python int, got {type(n).__name__}")
         limit = log_max(dtype)
         expect(
@@ -94,7 +109,12 @@ def solution_max_safe_steps(lower_bound: float, dtype: torch.dtype) -> int:
 def check_half_life_bias(fn) -> str:
     """`fn(half_lives) -> dt_bias` so that `kda_gate(x=0, A_log=0, dt_bias)` halves channel c in half_lives[c]."""
     half_lives = torch.tensor([1.0, 3.0, 16.0, 100.0, 1000.0, 1e5], dtype=torch.float64)
-    dt_bias = torch.as_tensor(fn(half_lives), dtype=torch.float64)
+    answer = fn(half_lives)
+    if answer is None:
+        return not_answered(
+            "write half_life_bias(half_lives), the dt_bias that gives each channel its half-life."
+        )
+    dt_bias = torch.as_tensor(answer, dtype=torch.float64)
     K = half_lives.shape[0]
     expect(dt_bias.shape == (K,), f"return one dt_bias per channel, shape [{K}], got {tuple(dt_bias.shape)}")
     g = kda_gate(
@@ -121,6 +141,9 @@ def solution_half_life_bias(half_lives: torch.Tensor) -> torch.Tensor:
 
 def check_two_timescale_gates(gates) -> str:
     """`gates`: one log decay per key channel `[K]` in [-5, 0] that beats every scalar gate by 20%."""
+    if gates is None:
+        K = 2 * EXERCISE_TASK["half"]
+        return not_answered(f"choose one log decay per key channel in [-5, 0], a tensor of shape [{K}].")
     task = make_task(**EXERCISE_TASK)
     K = 2 * task.half
     gates = torch.as_tensor(gates, dtype=torch.float32)

@@ -17,7 +17,8 @@ rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in r
 Kernel 2, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
     with the state S (K x BV, float32, in registers for the whole sequence)
         U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
-    three matrix products against S and one against U per chunk: the only sequential work left.
+    four matrix products per chunk, two against S (w S, qg S) and two against U (Aqk U, kd^T U): the only
+    sequential work left.
 
 Between the two kernels go w, qg, kd, u, Aqk and exp(gc_C): about (3K + V + C) numbers per step and head,
 stored in the input's 16-bit dtype (float32 for float32 inputs). Their layout is [HV, chunk, row, column]:
@@ -44,7 +45,9 @@ All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 Why blocks of 16 and not whole-chunk tiles (bench/NOTES.md has the history): a 64 x 64 float32 tile costs 32
 registers a thread at 4 warps, and the whole-chunk inverse needs several alive at once; the earlier designs
 needed 255 registers and spilled. The 16 x 16 blocks cost many small products instead: speed now depends on
-how well those are scheduled (NOTES.md: v6 is 1.3x fla's time at (1, 8192, 32), down from 3.1x).
+how well those are scheduled (NOTES.md and bench/results/h200_forward.json: at (1, 8192, 32) v6 takes 1.300 ms
+against fla's 1.116 ms, 1.16x; v2 took 3.14 ms, 3.1x fla's 1.00 ms in its run). v6 still compiles to 255
+registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40.
 
 Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
 inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state
@@ -491,7 +494,7 @@ def chunk_kda(
         cu_seqlens: optional int32/int64 `[N + 1]` cumulative sequence lengths (FlashAttention's convention)
             for N sequences packed along T with B = 1; each sequence runs as if alone, from its own state.
         keep_intermediates: only with gradients: keep the forward's chunk intermediates (w, u, qg, kd, Aqk
-            and X = (I + A)^-1, about 1.1 times the bytes of q, k, v and g together at K = V = 128 in bf16)
+            and X = (I + L)^-1, about 1.1 times the bytes of q, k, v and g together at K = V = 128 in bf16)
             until the backward, instead of recomputing them there. The backward then skips its first kernel;
             the memory held between forward and backward grows by those bytes, its peak does not.
 
@@ -570,7 +573,7 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
 
     Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
-    x (X = (I + A)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
+    x (X = (I + L)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
     is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program.
     """
     B, T, H, K = q.shape
@@ -611,7 +614,7 @@ def _chunk_kda_fwd(
     scan program, `kc` key (and value) columns per step of the prepare kernel's passes, `warps_*` warps per
     program of each kernel, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the
     first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory of each.
-    `keep`, a dict, receives the prepare kernel's outputs (w, u, qg, kd, aqk, gl) and X = (I + A)^-1, which
+    `keep`, a dict, receives the prepare kernel's outputs (w, u, qg, kd, aqk, gl) and X = (I + L)^-1, which
     the prepare then also writes (STORE_X): everything the backward would otherwise recompute first.
     """
     B, T, H, K = q.shape

@@ -1,7 +1,9 @@
 """Chunked KDA backward in Triton, and the `torch.autograd.Function` that makes `chunk_kda` differentiable.
 
 Read `kda_edu.kda.kda_chunked` and `kda_edu.triton.chunk` first: the notation is theirs. Per chunk (C = 64
-steps, gc the within-chunk gate cumsum, S0 the state entering the chunk, X = (I + A)^-1):
+steps, gc the within-chunk gate cumsum, S0 the state entering the chunk, X = (I + A)^-1 with A the strictly
+lower gated key Gram matrix with beta inside, as in `kda_chunked` and chapter 6; chunk.py keeps beta apart and
+calls this matrix L = Diag(beta) A):
 
     U   = u - w S0                          u = X Diag(beta) V,  w = X Diag(beta) (K * exp(gc))
     O   = qg S0 + Aqk U                     qg = scale Q * exp(gc)
@@ -52,12 +54,13 @@ head) over that sequence's chunks only (per-sequence chunk offsets), starting fr
 pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
 Without cu_seqlens, chunk i_c is chunk i_c % NT of batch row i_c // NT, with no table (IS_VARLEN = False).
 
-Recomputed rather than stored by the forward: everything except the inputs. The forward (chunk.py's launcher,
-untouched) saves only q, k, v, g, beta, h0 and cu_seqlens. Recomputing 1-2 costs O(T C K) parallel work,
-about a forward's prepare; storing them would cost (3K + V + 2C) numbers per step and head across the whole
-forward and backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be recomputed locally:
-they are stored for the duration of the backward only, in the 16-bit input dtype (float32 for float32
-inputs), the precision the forward itself multiplies them in.
+What the forward keeps: by default only q, k, v, g, beta, h0 and cu_seqlens (chunk.py's launcher, untouched),
+and the backward recomputes everything else; with `keep_intermediates=True` the forward also keeps its prepare
+kernel's outputs and X (written with STORE_X), and the backward skips 1-2. Recomputing 1-2 costs O(T C K)
+parallel work, about a forward's prepare; storing them costs (3K + V + 2C) numbers per step and head, held
+from the forward to the backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be
+recomputed locally: they are stored for the duration of the backward only, in the 16-bit input dtype
+(float32 for float32 inputs), the precision the forward itself multiplies them in.
 
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
 before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use

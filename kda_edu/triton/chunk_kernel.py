@@ -92,9 +92,10 @@ def scan(prepared: dict, initial_state: torch.Tensor | None = None, bv: int = 16
 def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dict:
     """The prepare kernel's outputs computed in float64 PyTorch, `[B, HV, NT, C, *]` like `prepare`.
 
-    Also returns `gc` (the within-chunk cumulative log decay), `A` (= Diag(beta) A of chapter 6, strictly lower
-    triangular, the kernel's L), `X` = (I + A)^-1 (which the kernel never forms) and `rhs` = Diag(beta)
-    [K * exp(gc), V], the right-hand sides whose solutions are [w, u].
+    Also returns `gc` (the within-chunk cumulative log decay), `A` (chapter 6's A, strictly lower triangular
+    with beta inside: chapter 8's and the kernel's L = Diag(beta) A), `X` = (I + L)^-1 (which the forward
+    kernel never forms; only the backward's STORE_X pass does) and `rhs` = Diag(beta) [K * exp(gc), V], the
+    right-hand sides whose solutions are [w, u].
     """
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -211,7 +212,8 @@ def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, fl
 
 
 def algorithm_flops(d: int, C: int = CHUNK) -> int:
-    """The chunked algorithm's FLOPs per token and head, 6 d^2 + 3 C d + C^2 (the benchmark's count)."""
+    """The chunked algorithm's FLOPs per token and head, 6 d^2 + 3 C d + C^2 (the Kimi Linear report's count,
+    arXiv:2510.26692, which the benchmark uses)."""
     return 6 * d * d + 3 * C * d + C * C
 
 

@@ -19,7 +19,7 @@ import triton
 
 from kda_edu._chunks import to_chunks
 from kda_edu.chunkwise import intra_chunk_matrices, ut_transform
-from kda_edu.triton.chunk import CHUNK, SUB, _chunk_prepare_kernel, _chunk_scan_kernel, _pow2
+from kda_edu.triton.chunk import CHUNK, SUB, _chunk_scan_kernel, _pow2, chunk_layout, prepare_chunks
 
 # ---------------------------------------------------------------------------------------------------------
 # The two kernels, one at a time
@@ -37,32 +37,17 @@ def prepare(q, k, v, g, beta, scale: float | None = None, kc: int | None = None)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else scale
-    BT, BK, BV = CHUNK, _pow2(K), _pow2(V)
-    NT = triton.cdiv(T, BT)
-    NCH = B * NT  # chunks in all; chunk i_c is chunk i_c % NT of sequence i_c // NT
-    rows = HV * NCH * BT
-    f32 = dict(device=q.device, dtype=torch.float32)
-    flat = dict(
-        w=torch.empty(rows, BK, **f32),
-        u=torch.empty(rows, BV, **f32),
-        qg=torch.empty(rows, BK, **f32),
-        kd=torch.empty(rows, BK, **f32),
-        aqk=torch.empty(rows, BT, **f32),
-        gl=torch.empty(HV * NCH, BK, **f32),
-    )
+    BT = CHUNK
+    NT, NCH, _, _ = layout = chunk_layout(T, B)  # chunk i_c is chunk i_c % NT of sequence i_c // NT
     q, k, v, g, beta = (x.contiguous().float() for x in (q, k, v, g, beta))
-    kc = kc or min(32, BK)
-    if NCH > 0:
-        _chunk_prepare_kernel[(NCH, HV)](
-            q, k, v, g, beta, *flat.values(), None, None, T, H, HV, K, V, NT, NCH, scale,
-            BT=BT, BC=SUB, BK=BK, BV=BV, KC=kc, VC=min(kc, BV), PREC="ieee", IS_VARLEN=False, num_warps=4,
-        )  # fmt: skip
+    flat = prepare_chunks(q, k, v, g, beta, scale, layout, kc=kc)[0]  # the launch chunk_kda uses
+    flat.pop("x")  # None: X is stored only for the backward
 
     def view(name, cols):  # [HV, B, NT, C, cols] -> [B, HV, NT, C, cols]
         return flat[name].view(HV, B, NT, BT, -1).permute(1, 0, 2, 3, 4)[..., :cols]
 
     out = dict(w=view("w", K), u=view("u", V), qg=view("qg", K), kd=view("kd", K), aqk=view("aqk", BT).tril())
-    out["gl"] = flat["gl"].view(HV, B, NT, BK).permute(1, 0, 2, 3)[..., :K]
+    out["gl"] = flat["gl"].view(HV, B, NT, _pow2(K)).permute(1, 0, 2, 3)[..., :K]
     out["flat"] = flat
     out["sizes"] = dict(B=B, T=T, HV=HV, K=K, V=V, NT=NT, NCH=NCH)
     return out

@@ -6,11 +6,14 @@ For each page it fails when
   - an image is broken or an internal link (or its #anchor) points nowhere,
   - a script, stylesheet or image is loaded from another host (the book must work offline),
   - the page carries widget state but no widget was rendered,
+  - a cell shows an error output or a traceback (except cells tagged `raises-exception`: the
+    exercises' deliberately wrong starting answers),
 and it saves a screenshot of every page under _build/screenshots/.
 
 The site is served on 127.0.0.1 only. Chromium and ChromeDriver come from the system (Debian's
-`chromium` and `chromium-driver`; `.ci/run` installs them). When they are missing the check is
-skipped with a message, except in CI (CI=true), where that is a failure.
+`chromium` and `chromium-driver`; `.ci/run` installs them). When they are missing the check
+fails, unless it was told to skip with `--skip-if-no-browser` (`make test BROWSER_CHECK=skip`);
+in CI (CI=true) a missing browser is a failure even then.
 """
 
 import argparse
@@ -55,7 +58,13 @@ ready.then(settle).then(() => {
     .map(el => el.src || el.href);
   const widgetState = !!document.querySelector('script[type="application/vnd.jupyter.widget-state+json"]');
   const widgets = document.querySelectorAll('.jupyter-widgets, .widget-container, .widget-slider').length;
-  done({rawMath, untypeset, images, links, resources, widgetState, widgets,
+  const expected = el => el.closest('.tag_raises-exception');
+  const errors = [...document.querySelectorAll('.output.traceback, .output.error')]
+    .filter(el => !expected(el)).map(el => el.textContent.trim().slice(0, 120));
+  const tracebacks = [...document.querySelectorAll('.cell_output')]
+    .filter(el => !expected(el) && /Traceback \(most recent call last\)/.test(el.textContent))
+    .map(el => el.textContent.trim().slice(0, 120));
+  done({rawMath, untypeset, images, links, resources, widgetState, widgets, errors, tracebacks,
         typeset: document.querySelectorAll('mjx-container').length});
 }).catch(err => done({error: String(err)}));
 """
@@ -130,13 +139,18 @@ def check_link(site: Path, base: str, href: str, anchor_cache: dict) -> str | No
     return None
 
 
-def check_site(site: Path, shots: Path) -> dict:
+def check_site(site: Path, shots: Path, skip_if_no_browser: bool = False) -> dict:
     browser, driver = find(BROWSERS), find(DRIVERS)
     if not browser or not driver:
         message = "Chromium or ChromeDriver not found (install Debian's chromium and chromium-driver)"
         if os.environ.get("CI"):
             raise SystemExit(f"browser check: {message}; in CI this is a failure, not a skip")
-        print(f"browser check SKIPPED: {message}")
+        if not skip_if_no_browser:
+            raise SystemExit(
+                f"browser check: {message}. To build and test without it, pass --skip-if-no-browser "
+                "(make test BROWSER_CHECK=skip)"
+            )
+        print(f"browser check SKIPPED (--skip-if-no-browser): {message}")
         return {"skipped": message, "pages": {}}
 
     pages = []
@@ -175,6 +189,8 @@ def check_site(site: Path, shots: Path) -> dict:
                     for r in seen["resources"]
                     if not r.startswith((base, "data:"))
                 ]
+                problems += [f"error output in a cell: {t!r}" for t in seen["errors"]]
+                problems += [f"traceback in a cell's output: {t!r}" for t in seen["tracebacks"]]
                 if seen["widgetState"] and seen["widgets"] == 0:
                     problems.append("page has widget state but no widget rendered")
                 for href in sorted(set(seen["links"])):
@@ -213,11 +229,16 @@ def main() -> None:
     parser.add_argument("site", type=Path, help="the built HTML book, e.g. _build/html")
     parser.add_argument("--screenshots", type=Path, default=Path("_build/screenshots"))
     parser.add_argument("--report", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--skip-if-no-browser",
+        action="store_true",
+        help="skip (instead of failing) without Chromium; not in CI",
+    )
     args = parser.parse_args()
     if not (args.site / "index.html").exists():
         raise SystemExit(f"browser check: {args.site}/index.html not found; build the book first")
     print(f"browser check of {args.site}")
-    report = check_site(args.site, args.screenshots)
+    report = check_site(args.site, args.screenshots, args.skip_if_no_browser)
     failed = [page for page, r in report["pages"].items() if r["problems"]]
     report["passed"] = len(report["pages"]) - len(failed)
     report["failed"] = len(failed)

@@ -22,7 +22,7 @@ timeout "$limit" python3 -m pytest tests -q -n "$workers" -p no:cacheprovider \
     --junitxml="$out/unit.xml" >"$out/unit.log" 2>&1 &
 unit=$!
 timeout "$limit" python3 -m pytest -q -n "$workers" --dist loadfile -p no:cacheprovider \
-    --nbval-lax --nbval-current-env --nbval-cell-timeout=400 \
+    --nbval-lax --nbval-current-env --nbval-cell-timeout=400 --nbval-kernel-startup-timeout=300 \
     --junitxml="$out/notebooks.xml" book/[0-9][0-9]_*.ipynb >"$out/notebooks.log" 2>&1 &
 nb=$!
 wait $unit; unit_rc=$?

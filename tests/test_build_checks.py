@@ -1,0 +1,155 @@
+"""The build's own checks can fail: a broken chapter breaks `make book`, and the browser check sees
+error outputs, tracebacks, and a missing browser.
+
+Each test builds a one-notebook book in a temporary folder with the repository's own `_config.yml`
+and Makefile, once with a cell that raises and once with the same notebook fixed, so a pass of the
+first cannot come from a build that fails for another reason.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import browser_check  # noqa: E402
+import cache_guard  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+HAS_JUPYTER_BOOK = (VENV_BIN / "jupyter-book").exists()
+
+
+def write_book(where: Path, cell: str) -> None:
+    shutil.copy(ROOT / "_config.yml", where / "_config.yml")
+    (where / "_toc.yml").write_text("format: jb-book\nroot: page\n")
+    nb = new_notebook(cells=[new_markdown_cell("# A page"), new_code_cell(cell)])
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nbformat.write(nb, where / "page.ipynb")
+
+
+def make_book(where: Path) -> subprocess.CompletedProcess:
+    venv = VENV_BIN.parent
+    return subprocess.run(
+        [
+            "make",
+            "-C",
+            str(ROOT),
+            "book",
+            f"BOOK_ROOT={where}",
+            f"VENV={venv}",
+            "-o",
+            f"{venv}/.kda-edu-installed",
+        ]
+        + ["-o", "_build/site-assets/.stamp"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_JUPYTER_BOOK, reason="needs the book's environment (make book installs it)")
+def test_a_failing_cell_fails_make_book(tmp_path):
+    write_book(tmp_path, "raise RuntimeError('deliberately broken chapter')")
+    broken = make_book(tmp_path)
+    assert broken.returncode != 0, broken.stdout[-2000:]
+    assert "deliberately broken chapter" in broken.stdout + broken.stderr
+
+    write_book(tmp_path, "print('fixed chapter')")
+    fixed = make_book(tmp_path)
+    assert fixed.returncode == 0, (fixed.stdout + fixed.stderr)[-3000:]
+    assert "fixed chapter" in (tmp_path / "_build/html/page.html").read_text()
+
+
+def test_cache_guard_empties_the_cache_when_the_inputs_change(tmp_path):
+    root = tmp_path / "repo"
+    (root / "kda_edu").mkdir(parents=True)
+    module = root / "kda_edu" / "ops.py"
+    module.write_text("A = 1\n")
+    cache = root / "_build" / ".jupyter_cache"
+    assert not cache_guard.guard(cache, root)  # a new cache: nothing to throw away
+    (cache / "executed.db").write_text("outputs of A = 1")
+    assert not cache_guard.guard(cache, root)  # same inputs: the cache is kept
+    assert (cache / "executed.db").exists()
+    module.write_text("A = 2\n")
+    assert cache_guard.guard(cache, root)  # the package changed: the cache goes
+    assert not (cache / "executed.db").exists()
+    (cache / "executed.db").write_text("outputs of A = 2")
+    (root / "kda_edu" / "__pycache__").mkdir()
+    (root / "kda_edu" / "__pycache__" / "ops.cpython-311.pyc").write_bytes(b"\0")
+    assert not cache_guard.guard(cache, root)  # byte code is not an input
+
+
+PAGE = """<!DOCTYPE html><html><body>
+<div class="cell docutils container"><div class="cell_output docutils container">{good}</div></div>
+<div class="cell tag_raises-exception docutils container"><div class="cell_output docutils container">
+<div class="output traceback highlight-ipythontb notranslate"><pre>WrongAnswer Traceback (most recent call last)
+</pre></div></div></div>
+</body></html>"""
+
+
+@pytest.mark.skipif(
+    not (browser_check.find(browser_check.BROWSERS) and browser_check.find(browser_check.DRIVERS)),
+    reason="needs Chromium and ChromeDriver (.ci/run installs them)",
+)
+@pytest.mark.parametrize(
+    "output, problem",
+    [
+        ('<div class="output stream highlight-myst-ansi notranslate"><pre>all fine</pre></div>', None),
+        (
+            '<div class="output traceback highlight-ipythontb notranslate"><pre>ValueError</pre></div>',
+            "error",
+        ),
+        (
+            '<div class="output stream"><pre>Traceback (most recent call last):\n  boom</pre></div>',
+            "traceback",
+        ),
+    ],
+)
+def test_browser_check_fails_on_errors_outside_expected_ones(tmp_path, output, problem):
+    site = tmp_path / "html"
+    site.mkdir()
+    (site / "index.html").write_text(PAGE.format(good=output))
+    report = browser_check.check_site(site, tmp_path / "shots")
+    problems = report["pages"]["index.html"]["problems"]
+    if problem is None:
+        assert problems == []  # the raises-exception cell's traceback is expected
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_a_missing_browser_fails_unless_skipped_explicitly(tmp_path, monkeypatch):
+    monkeypatch.setattr(browser_check, "find", lambda names: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(SystemExit, match="--skip-if-no-browser"):
+        browser_check.check_site(tmp_path, tmp_path / "shots")
+    assert "skipped" in browser_check.check_site(tmp_path, tmp_path / "shots", skip_if_no_browser=True)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(SystemExit, match="in CI this is a failure"):
+        browser_check.check_site(tmp_path, tmp_path / "shots", skip_if_no_browser=True)
+
+
+def test_make_passes_the_explicit_skip_to_the_browser_check():
+    dry = subprocess.run(
+        [
+            "make",
+            "-n",
+            "-C",
+            str(ROOT),
+            "browser-check",
+            "BROWSER_CHECK=skip",
+            "-o",
+            ".venv/.kda-edu-installed",
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")},
+    )
+    assert "--skip-if-no-browser" in dry.stdout

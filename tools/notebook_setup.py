@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-SETUP_TAGS = ["colab-setup", "hide-cell"]
+# remove-cell: the set-up only matters in Colab, so the rendered book leaves it out altogether.
+SETUP_TAGS = ["colab-setup", "remove-cell"]
 
 
 def _repository() -> dict:

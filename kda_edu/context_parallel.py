@@ -383,6 +383,47 @@ def context_parallel_kda(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A model of prefill time against the number of ranks
+
+
+def boundary_bytes(scheme: str, H: int, K: int, V: int, bytes_per_number: int = 4) -> int:
+    """Bytes one rank contributes per boundary in the forward: its outgoing state (`"sequential"`, K x V per
+    head) or its map (`"scan"`, K x K + K x V per head), float32 by default."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    return H * K * (V if scheme == "sequential" else K + V) * bytes_per_number
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between ranks for the model: bytes per second in one direction, seconds per message."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+def prefill_seconds(
+    scheme: str, n: int, shard_s: float, map_s: float, combine_s: float, link: Link, H: int, K: int, V: int
+) -> dict:
+    """Modelled time of one KDA layer's forward over n ranks, split into compute and communication.
+
+    - sequential: the ranks run one after the other, `n shard_s`, and the n - 1 states travel one after the
+      other, `(n - 1) (latency + K V H 4 / bandwidth)`.
+    - scan: every rank at once computes its map (`map_s`), takes part in a ring all-gather of the n maps
+      (`(n - 1) (latency + (K K + K V) H 4 / bandwidth)`: each rank receives n - 1 maps, one per step), folds
+      them (`combine_s`) and runs its shard (`shard_s`).
+
+    `shard_s`, `map_s` and `combine_s` are the times of one rank at T / n tokens (measured or assumed).
+    Returns `{"compute": s, "communication": s, "total": s}`.
+    """
+    message = boundary_bytes(scheme, H, K, V)
+    comm = (n - 1) * (link.latency + message / link.bandwidth)
+    compute = n * shard_s if scheme == "sequential" else map_s + combine_s + shard_s
+    return {"compute": compute, "communication": comm, "total": compute + comm}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Running gloo processes on one machine (tests, the book)
 
 

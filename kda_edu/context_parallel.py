@@ -238,7 +238,15 @@ def fold_grads(maps: list[torch.Tensor], G: list[torch.Tensor], after: int) -> t
     return D
 
 
-class _ContextParallelKDA(torch.autograd.Function):
+class ContextParallelKDA(torch.autograd.Function):
+    """The forward and backward of `context_parallel_kda` on one rank (call that function, not this class).
+
+    Forward: get the carry (receive it, or compute this shard's map, all-gather the maps and fold them), run
+    the shard from it, pass the outgoing state on. Backward: get the gradient of the outgoing state (receive
+    it, or all-gather every rank's G and fold with the saved maps), run the shard's backward with it, send
+    the gradient of the incoming state back. The shard's kernel is recomputed inside the backward.
+    """
+
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, layout, kernel, scheme, group):
         inputs = (q, k, v, g, beta)
@@ -376,7 +384,7 @@ def context_parallel_kda(
             )
     rank = dist.get_rank(group)
     layout = shard_layout(lengths, rank, B, cu)
-    o, final = _ContextParallelKDA.apply(
+    o, final = ContextParallelKDA.apply(
         q, k, v, g, beta, initial_state, scale, layout, kernel or _default_kernel(), scheme, group
     )
     return o, final if output_final_state else None
@@ -404,22 +412,36 @@ class Link:
 
 
 def prefill_seconds(
-    scheme: str, n: int, shard_s: float, map_s: float, combine_s: float, link: Link, H: int, K: int, V: int
+    scheme: str,
+    n: int,
+    shard_s: float,
+    map_s: float,
+    combine_s: float,
+    link: Link,
+    H: int,
+    K: int,
+    V: int,
+    layers: int = 1,
 ) -> dict:
-    """Modelled time of one KDA layer's forward over n ranks, split into compute and communication.
+    """Modelled forward time of `layers` KDA layers over n ranks, split into compute and communication.
 
-    - sequential: the ranks run one after the other, `n shard_s`, and the n - 1 states travel one after the
-      other, `(n - 1) (latency + K V H 4 / bandwidth)`.
-    - scan: every rank at once computes its map (`map_s`), takes part in a ring all-gather of the n maps
-      (`(n - 1) (latency + (K K + K V) H 4 / bandwidth)`: each rank receives n - 1 maps, one per step), folds
-      them (`combine_s`) and runs its shard (`shard_s`).
+    `shard_s`, `map_s` and `combine_s` are the times of one rank at T / n tokens (measured or assumed); a
+    message of m bytes costs `latency + m / bandwidth`.
 
-    `shard_s`, `map_s` and `combine_s` are the times of one rank at T / n tokens (measured or assumed).
+    - scan: per layer, every rank at once computes its map (`map_s`), takes part in a ring all-gather of the
+      n maps (n - 1 steps, one map per step), folds them (`combine_s`) and runs its shard (`shard_s`).
+    - sequential: rank r runs layer l as soon as rank r - 1 has sent its state of layer l (a wavefront).
+      The last rank finishes after `layers + n - 1` shard passes and `layers + n - 2` messages; for one
+      layer that is n passes, one rank after the other.
+
     Returns `{"compute": s, "communication": s, "total": s}`.
     """
     message = boundary_bytes(scheme, H, K, V)
-    comm = (n - 1) * (link.latency + message / link.bandwidth)
-    compute = n * shard_s if scheme == "sequential" else map_s + combine_s + shard_s
+    hop = link.latency + message / link.bandwidth
+    if scheme == "sequential":
+        compute, comm = (layers + n - 1) * shard_s, (layers + n - 2) * hop
+    else:
+        compute, comm = layers * (map_s + combine_s + shard_s), layers * (n - 1) * hop
     return {"compute": compute, "communication": comm, "total": compute + comm}
 
 

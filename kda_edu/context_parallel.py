@@ -175,6 +175,9 @@ def shard_map(kernel, inputs, h0, layout: ShardLayout, scale: float) -> tuple[to
     """
     q, k, v, g, beta = inputs
     C, HV, K, V = layout.carries, v.shape[2], k.shape[3], v.shape[3]
+    if not layout.gives_out:  # nothing leaves this shard for the next rank
+        zero = torch.zeros(C, HV, K, K + V, dtype=h0.dtype, device=h0.device)
+        return zero[..., :K], zero[..., K:]
     eye = torch.zeros(h0.shape[0], HV, K, K, dtype=h0.dtype, device=h0.device)
     if layout.takes_in:
         eye[list(layout.in_rows)] = torch.eye(K, dtype=h0.dtype, device=h0.device)
@@ -186,9 +189,6 @@ def shard_map(kernel, inputs, h0, layout: ShardLayout, scale: float) -> tuple[to
     else:
         B_all = _run(kernel, inputs, h0, layout, scale)[1]
         M_all = _run(kernel, (q, k, zeros_v, g, beta), eye, layout, scale)[1]
-    if not layout.gives_out:
-        zero = torch.zeros(C, HV, K, K + V, dtype=h0.dtype, device=h0.device)
-        return zero[..., :K], zero[..., K:]
     rows = list(layout.out_rows)
     return M_all[rows].contiguous(), B_all[rows].contiguous()
 

@@ -295,13 +295,16 @@ class ContextParallelKDA(torch.autograd.Function):
             if layout.takes_in:
                 dist.send(grads[5][rows_in].contiguous(), dst=_peer(group, layout.rank - 1), group=group)
         else:
-            grads = _vjp(kernel, inputs, h0, layout, scale, do, dht)
-            G = torch.zeros_like(carry)
+            # G: what this shard's outputs alone send to its incoming state (a backward without d_out);
+            # a rank that both receives and sends a state runs its backward twice, once for G, once in full
+            grads, G = None, torch.zeros_like(carry)
             if layout.takes_in:
+                grads = _vjp(kernel, inputs, h0, layout, scale, do, dht)
                 G = grads[5][rows_in]
             d_out = fold_grads(ctx.maps, _all_gather(G, group), layout.rank)
-            if layout.gives_out:
-                dht[rows_out] = d_out
+            if layout.gives_out or grads is None:
+                if layout.gives_out:
+                    dht[rows_out] = d_out
                 grads = _vjp(kernel, inputs, h0, layout, scale, do, dht)
         d_initial = None
         if initial_state is not None and ctx.needs_input_grad[5]:

@@ -150,3 +150,10 @@ def test_program_ids_cover_the_output_once():
     assert ids.shape == (48, 64)
     assert (ids[:37, :50] >= 0).all() and (ids[37:] == -1).all() and (ids[:, 50:] == -1).all()
     assert ids.max().item() == 3 * 2 - 1 and ids[0, 32].item() == 3  # first grid axis fastest
+
+
+def test_unspecialised_reads_do_not_specialize():
+    from kda_edu.triton import chunk
+
+    assert primer.unspecialised(chunk._chunk_scan_kernel) == {"NT"}
+    assert primer.unspecialised(primer.add_kernel) == set()

@@ -23,6 +23,8 @@ operands to float32 when interpreting; and it accepts `tl.dot` on blocks smaller
 so the launchers refuse them everywhere.
 """
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -334,6 +336,23 @@ def chunked_linear_attention(
         q, k, v, o, T, H, K, V, scale, C=chunk, BK=BK, BV=BV, PRECISION=input_precision
     )
     return o
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a kernel was declared with
+
+
+def unspecialised(kernel) -> set[str]:
+    """The arguments a `@triton.jit` kernel was told never to specialise on (`do_not_specialize`).
+
+    Works on compiled kernels (`triton.JITFunction`, which records it per parameter) and on the
+    interpreter's kernels (which keep the decorator's arguments).
+    """
+    if hasattr(kernel, "params"):
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    names = kernel.kwargs.get("do_not_specialize") or []
+    params = list(inspect.signature(kernel.fn).parameters)
+    return {params[n] if isinstance(n, int) else n for n in names}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ STYLE = {
 def _wrap(text: str, inches: float, points: float) -> str:
     """Wrap `text` into lines that fit `inches` at a font of `points` (about 0.55 em per character)."""
     chars = max(12, int(inches * 72 / (0.55 * points)))
-    return "\n".join(textwrap.wrap(text, chars)) if len(text) > chars else text
+    return "\n".join(textwrap.wrap(text, chars, break_on_hyphens=False)) if len(text) > chars else text
 
 
 def figure(title: str, panels: list[tuple[str, str]], *, width: float = 5.0, height: float = 3.6):

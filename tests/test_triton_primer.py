@@ -61,7 +61,8 @@ def test_batched_matmul_fp32(Z, M, K, N, precision):
 def test_tf32_is_the_gpu_default_and_the_interpreter_ignores_it():
     a, b = randn(2, 64, 64, seed=8), randn(2, 64, 64, seed=9)
     exact, size = a.double() @ b.double(), a.double().abs() @ b.double().abs()
-    default, tf32 = primer.batched_matmul(a, b), primer.batched_matmul(a, b, input_precision="tf32")
+    default = primer.batched_matmul(a, b)  # no input_precision: Triton's own default
+    tf32 = primer.batched_matmul(a, b, input_precision="tf32")
     ieee = primer.batched_matmul(a, b, input_precision="ieee")
     float32_bound = primer.dot_error_bound("ieee", depth=64)
     assert error_ratio(ieee, exact, size) <= float32_bound

@@ -56,8 +56,8 @@ def dot_error_bound(precision: str, depth: int, roundings: int = 2) -> float:
     return roundings * OPERAND_ERROR[precision] + 2 * depth * FP32_UNIT
 
 
-def _check_precision(input_precision: str) -> None:
-    if input_precision not in OPERAND_ERROR:
+def _check_precision(input_precision: str | None) -> None:
+    if input_precision is not None and input_precision not in OPERAND_ERROR:
         raise ValueError(f"input_precision must be one of {sorted(OPERAND_ERROR)}, got {input_precision!r}")
 
 
@@ -215,7 +215,7 @@ def batched_matmul(
     b: torch.Tensor,
     block: tuple[int, int, int] = (32, 32, 32),
     upcast: bool | None = None,
-    input_precision: str = "tf32",
+    input_precision: str | None = None,
 ) -> torch.Tensor:
     """`a @ b` for a `[Z, M, K]` and b `[Z, K, N]`; one program per (BM x BN tile, batch element).
 
@@ -223,10 +223,10 @@ def batched_matmul(
         block: (BM, BN, BK), powers of two >= 16 (a GPU's tl.dot needs at least 16 along each dimension).
         upcast: cast the operands to float32 before tl.dot. None: only when interpreting (the interpreter's
             bfloat16 tl.dot is wrong); on a GPU the 16-bit operands go to the tensor cores as they are.
-        input_precision: how a GPU multiplies float32 blocks: "tf32" (Triton's default: tensor cores, operands
-            rounded to 10 mantissa bits), "tf32x3" (three TF32 products, near float32) or "ieee" (exact float32
-            products, no tensor cores). 16-bit operands are multiplied exactly whatever it says; the
-            interpreter ignores it (its products are always exact float32).
+        input_precision: how a GPU multiplies float32 blocks: "tf32" (tensor cores, operands rounded to 10
+            mantissa bits), "tf32x3" (three TF32 products, near float32), "ieee" (exact float32 products, no
+            tensor cores), or None for Triton's default (TF32 on NVIDIA GPUs). 16-bit operands are multiplied
+            exactly whatever it says; the interpreter ignores it (its products are always exact float32).
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"a must be [Z, M, K] and b [Z, K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -312,7 +312,7 @@ def chunked_linear_attention(
     v: torch.Tensor,
     scale: float | None = None,
     chunk: int = 16,
-    input_precision: str = "tf32",
+    input_precision: str | None = None,
 ) -> torch.Tensor:
     """Causal linear attention `o_t = scale sum_{s <= t} (q_t . k_s) v_s`; q, k `[B, T, H, K]`, v `[B, T, H, V]`.
 

@@ -59,18 +59,24 @@ def forward_in_pieces(module, x: torch.Tensor, sizes: list[int], **kwargs) -> to
 
 
 def measure_cache_bytes(
-    config: HybridConfig, lengths: list[int], batch: int = 1, piece: int = 256, seed: int = 0
+    config: HybridConfig,
+    lengths: list[int],
+    batch: int = 1,
+    piece: int = 256,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> list[dict]:
     """Prefill random tokens into a fresh `HybridLM`'s cache and read its bytes at each length.
 
     The tokens arrive in pieces of at most `piece` (appends through the cache, which is how a long prompt is
-    prefilled in chunks); after reaching each length the live cache is asked for its bytes.
+    prefilled in chunks); after reaching each length the live cache is asked for its bytes. The model and its
+    cache live on `device` (the tokens are drawn on the CPU, so every device sees the same ones).
 
     Returns:
         One dict per length: `{"context_len", "kda", "mla", "total"}` in bytes (whole batch).
     """
     torch.manual_seed(seed)
-    model = HybridLM(config).eval()
+    model = HybridLM(config).to(device).eval()
     cache = model.new_cache()
     generator = torch.Generator().manual_seed(seed)
     rows, seen = [], 0
@@ -78,7 +84,8 @@ def measure_cache_bytes(
         for length in sorted(lengths):
             while seen < length:
                 n = min(piece, length - seen)
-                model(torch.randint(0, config.vocab_size, (batch, n), generator=generator), cache=cache)
+                tokens = torch.randint(0, config.vocab_size, (batch, n), generator=generator)
+                model(tokens.to(device), cache=cache)
                 seen += n
             by_kind = cache.nbytes_by_kind()
             rows.append({"context_len": length, **by_kind, "total": by_kind["kda"] + by_kind["mla"]})

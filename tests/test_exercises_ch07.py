@@ -86,3 +86,19 @@ def test_not_a_kernel_and_failing_kernel_are_named():
         ch07.check_outer(lambda *args: None)
     with pytest.raises(WrongAnswer, match="failed"):
         ch07.check_causal_scores(ch07.solution_outer)  # wrong signature: C is not one of its parameters
+
+
+@triton.jit
+def causal_scores_at_default_precision(q, k, out, T, D, C: tl.constexpr, BD: tl.constexpr):
+    rows = tl.arange(0, C)
+    t = tl.program_id(0) * C + rows
+    c = tl.arange(0, BD)
+    mask = (t[:, None] < T) & (c[None, :] < D)
+    q_n = tl.load(q + t[:, None] * D + c[None, :], mask=mask, other=0.0)
+    k_n = tl.load(k + t[:, None] * D + c[None, :], mask=mask, other=0.0)
+    scores = tl.where(rows[:, None] >= rows[None, :], tl.dot(q_n, tl.trans(k_n)), 0.0)  # TF32 on a GPU
+    tl.store(out + tl.program_id(0) * C * C + rows[:, None] * C + rows[None, :], scores)
+
+
+def test_a_right_kernel_passes_at_triton_default_precision():
+    assert "Correct" in ch07.check_causal_scores(causal_scores_at_default_precision)

@@ -11,6 +11,9 @@ one-liner for it, a PyTorch reference with the same contract:
 5. `chunked_linear_attention`: a loop over chunks that carries a `K x V` state in registers, the shape of
    KDA's sequential kernel; reference `kda_edu.linear_attention.linear_attention_parallel`.
 
+The two kernels with `tl.dot` take its `input_precision` ("tf32", "tf32x3" or "ieee"): how a GPU multiplies
+float32 blocks. `dot_error_bound` says how far from the exact product each choice may land.
+
 Layout as everywhere in kda_edu: q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]`. Importing this module
 goes through `kda_edu.triton`, which switches Triton's interpreter on when there is no GPU.
 
@@ -20,6 +23,8 @@ operands to float32 when interpreting; and it accepts `tl.dot` on blocks smaller
 so the launchers refuse them everywhere.
 """
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +32,33 @@ import triton.language as tl
 from kda_edu._backend import interpreting
 
 MIN_DOT = 16  # the smallest block a GPU's tl.dot accepts along each dimension
+
+# How tl.dot on float32 blocks treats its operands on an NVIDIA GPU, as a relative error per operand:
+# "ieee" multiplies the float32 numbers themselves (no tensor cores); "tf32" rounds each operand to TF32,
+# 10 explicit mantissa bits (the conversion may truncate, so up to one unit in the last place: 2^-10);
+# "tf32x3" splits each operand into two TF32 numbers, hi + lo, and adds hi*hi + hi*lo + lo*hi: what it
+# drops (the rounding of lo and the product lo*lo) is about 2^-20 of each term; 2^-19 bounds it.
+OPERAND_ERROR = {"ieee": 0.0, "tf32x3": 2.0**-19, "tf32": 2.0**-10}
+FP32_UNIT = 2.0**-24  # unit roundoff of a float32 addition (23 explicit mantissa bits)
+
+
+def dot_error_bound(precision: str, depth: int, roundings: int = 2) -> float:
+    """Bound on |computed - exact| / (|A| |B|) for products through tl.dot at `input_precision=precision`.
+
+    The classical bound for a sum of products: each term carries the relative error of its rounded operands
+    (`roundings` of them, `OPERAND_ERROR[precision]` each), and `depth` float32 additions add at most
+    `depth` units of roundoff each to what they sum; the factor 2 leaves room for a float32 reference.
+    The bound is elementwise and scales with `|A| |B|` (the product of the absolute values), so it holds
+    whatever the signs; random signs typically land about sqrt(depth) times lower on the accumulation part.
+    """
+    if precision not in OPERAND_ERROR:
+        raise ValueError(f"precision must be one of {sorted(OPERAND_ERROR)}, got {precision!r}")
+    return roundings * OPERAND_ERROR[precision] + 2 * depth * FP32_UNIT
+
+
+def _check_precision(input_precision: str | None) -> None:
+    if input_precision is not None and input_precision not in OPERAND_ERROR:
+        raise ValueError(f"input_precision must be one of {sorted(OPERAND_ERROR)}, got {input_precision!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,12 +166,23 @@ def chunk_cumsum_reference(g: torch.Tensor, chunk: int = 64) -> torch.Tensor:
 
 @triton.jit
 def batched_matmul_kernel(
-    a, b, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr
+    a,
+    b,
+    c,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Tile (program_id(0), program_id(1)) of c[z] = a[z] @ b[z] for batch z = program_id(2).
 
     a `[Z, M, K]`, b `[Z, K, N]`, c `[Z, M, N]`, all contiguous. The BM x BN accumulator stays in registers
-    while BK-wide slices of a and b stream through. UPCAST casts the operands to float32 before tl.dot.
+    while BK-wide slices of a and b stream through. UPCAST casts the operands to float32 before tl.dot;
+    PRECISION is tl.dot's input_precision for float32 operands.
     """
     i_m, i_n, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = i_m * BM + tl.arange(0, BM)
@@ -158,7 +201,9 @@ def batched_matmul_kernel(
         )
         if UPCAST:
             a_t, b_t = a_t.to(tl.float32), b_t.to(tl.float32)
-        acc += tl.dot(a_t, b_t)  # float32 accumulation whatever the operands' dtype
+        acc += tl.dot(
+            a_t, b_t, input_precision=PRECISION
+        )  # float32 accumulation whatever the operands' dtype
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(
         c + z.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty), mask=mask
@@ -166,7 +211,11 @@ def batched_matmul_kernel(
 
 
 def batched_matmul(
-    a: torch.Tensor, b: torch.Tensor, block: tuple[int, int, int] = (32, 32, 32), upcast: bool | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    block: tuple[int, int, int] = (32, 32, 32),
+    upcast: bool | None = None,
+    input_precision: str | None = None,
 ) -> torch.Tensor:
     """`a @ b` for a `[Z, M, K]` and b `[Z, K, N]`; one program per (BM x BN tile, batch element).
 
@@ -174,9 +223,14 @@ def batched_matmul(
         block: (BM, BN, BK), powers of two >= 16 (a GPU's tl.dot needs at least 16 along each dimension).
         upcast: cast the operands to float32 before tl.dot. None: only when interpreting (the interpreter's
             bfloat16 tl.dot is wrong); on a GPU the 16-bit operands go to the tensor cores as they are.
+        input_precision: how a GPU multiplies float32 blocks: "tf32" (tensor cores, operands rounded to 10
+            mantissa bits), "tf32x3" (three TF32 products, near float32), "ieee" (exact float32 products, no
+            tensor cores), or None for Triton's default (TF32 on NVIDIA GPUs). 16-bit operands are multiplied
+            exactly whatever it says; the interpreter ignores it (its products are always exact float32).
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"a must be [Z, M, K] and b [Z, K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    _check_precision(input_precision)
     if min(block) < MIN_DOT:
         raise ValueError(f"every block size must be >= {MIN_DOT} for tl.dot on a GPU, got {block}")
     upcast = interpreting() if upcast is None else upcast
@@ -186,7 +240,17 @@ def batched_matmul(
     c = torch.empty(Z, M, N, dtype=a.dtype, device=a.device)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), Z)
     batched_matmul_kernel[grid](
-        a.contiguous(), b.contiguous(), c, M, N, K, BM=BM, BN=BN, BK=BK, UPCAST=upcast
+        a.contiguous(),
+        b.contiguous(),
+        c,
+        M,
+        N,
+        K,
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        UPCAST=upcast,
+        PRECISION=input_precision,
     )
     return c
 
@@ -197,7 +261,19 @@ def batched_matmul(
 
 @triton.jit
 def chunked_linear_attention_kernel(
-    q, k, v, o, T, H, K, V, scale, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
+    q,
+    k,
+    v,
+    o,
+    T,
+    H,
+    K,
+    V,
+    scale,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Causal linear attention for head program_id(0) (= b * H + h), chunk after chunk.
 
@@ -221,19 +297,27 @@ def chunked_linear_attention_kernel(
         q_n = tl.load(q + row_k + ck[None, :], mask=mk, other=0.0).to(tl.float32)
         k_n = tl.load(k + row_k + ck[None, :], mask=mk, other=0.0).to(tl.float32)
         v_n = tl.load(v + row_v + cv[None, :], mask=mv, other=0.0).to(tl.float32)
-        scores = tl.where(causal, tl.dot(q_n, tl.trans(k_n)), 0.0)  # [C, C]
-        o_n = (tl.dot(q_n, S) + tl.dot(scores, v_n)) * scale
+        scores = tl.where(causal, tl.dot(q_n, tl.trans(k_n), input_precision=PRECISION), 0.0)  # [C, C]
+        o_n = (
+            tl.dot(q_n, S, input_precision=PRECISION) + tl.dot(scores, v_n, input_precision=PRECISION)
+        ) * scale
         tl.store(o + row_v + cv[None, :], o_n.to(o.dtype.element_ty), mask=mv)
-        S += tl.dot(tl.trans(k_n), v_n)  # after the outputs: the chunk's own steps were counted by `scores`
+        # after the outputs: the chunk's own steps were counted by `scores`
+        S += tl.dot(tl.trans(k_n), v_n, input_precision=PRECISION)
 
 
 def chunked_linear_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, chunk: int = 16
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    chunk: int = 16,
+    input_precision: str | None = None,
 ) -> torch.Tensor:
     """Causal linear attention `o_t = scale sum_{s <= t} (q_t . k_s) v_s`; q, k `[B, T, H, K]`, v `[B, T, H, V]`.
 
     One program per (batch, head); `chunk` (a power of two >= 16) steps per loop iteration. Computed in
-    float32, returned in q's dtype.
+    float32 (every tl.dot at `input_precision`, as in `batched_matmul`), returned in v's dtype.
     """
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
@@ -241,14 +325,34 @@ def chunked_linear_attention(
         )
     if chunk < MIN_DOT or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= {MIN_DOT}, got {chunk}")
+    _check_precision(input_precision)
     B, T, H, K = q.shape
     V = v.shape[3]
     scale = K**-0.5 if scale is None else scale
     o = torch.empty_like(v)
     BK, BV = max(MIN_DOT, triton.next_power_of_2(K)), max(MIN_DOT, triton.next_power_of_2(V))
     q, k, v = (x.contiguous() for x in (q, k, v))
-    chunked_linear_attention_kernel[(B * H,)](q, k, v, o, T, H, K, V, scale, C=chunk, BK=BK, BV=BV)
+    chunked_linear_attention_kernel[(B * H,)](
+        q, k, v, o, T, H, K, V, scale, C=chunk, BK=BK, BV=BV, PRECISION=input_precision
+    )
     return o
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a kernel was declared with
+
+
+def unspecialised(kernel) -> set[str]:
+    """The arguments a `@triton.jit` kernel was told never to specialise on (`do_not_specialize`).
+
+    Works on compiled kernels (`triton.JITFunction`, which records it per parameter) and on the
+    interpreter's kernels (which keep the decorator's arguments).
+    """
+    if hasattr(kernel, "params"):
+        return {p.name for p in kernel.params if p.do_not_specialize}
+    names = kernel.kwargs.get("do_not_specialize") or []
+    params = list(inspect.signature(kernel.fn).parameters)
+    return {params[n] if isinstance(n, int) else n for n in names}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -103,9 +103,6 @@ def finish(fig) -> None:
     for ax in fig.axes:
         legend = ax.get_legend()
         if legend is not None and _covers_data(ax, legend, renderer):
-            if hasattr(legend, "set_loc"):
-                legend.set_loc("upper left")
-            else:  # matplotlib 3.7, which the package allows, has only the private setter
-                legend._set_loc(2)
+            legend.set_loc("upper left")
             legend.set_bbox_to_anchor((1.02, 1.0), transform=ax.transAxes)
     plt.show()

@@ -1,0 +1,279 @@
+"""Adversarial numerics of every KDA path against an independent float64 loop (issue 18).
+
+Each case builds inputs that once broke a fast path (strided cu_seqlens, g = -inf, a NaN at one step, nearly
+parallel keys, hard resets, random awkward shapes) and measures every path against `kda_recurrent` in float64:
+the chunked PyTorch reference `kda_chunked` (float32), the Triton kernels `chunk_kda` and `fused_recurrent_kda`
+(float32; under Triton's interpreter on a CPU, compiled on a GPU, where they also run in bfloat16).
+
+The error is the relative norm `|x - ref| / |ref|` over the outputs (and the final state where there is one).
+Tolerances: 1e-5 for float32 under the interpreter, whose products are exact float32 (the issue's target; the
+float32 rounding of a 64-step chunk is about 1e-6). On a GPU float32 keeps 1e-4, the tolerance of the other
+Triton tests there (different reduction orders; `input_precision="ieee"`), and bfloat16 inputs 1e-2 against a
+reference fed the same rounded q, k, v (bf16's 8-bit mantissa: 4e-3 per rounding, a few roundings deep).
+
+Run as a script (`python tests/test_numerics.py`) it prints the error of every case and path and, when the
+environment variable OUT names a folder, writes them to `$OUT/numerics.json`: the table of issue 18.
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_edu import _backend
+
+_backend.configure()  # the interpreter on a CPU, before Triton is imported (also when run as a script)
+
+from kda_edu.kda import kda_chunked, kda_recurrent  # noqa: E402
+from kda_edu.triton import chunk_kda, fused_recurrent_kda  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-4, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+
+
+def make(B, T, H, K, V, HV=None, gate=-1.0, seed=0, h0=False, N=None):
+    """Random inputs on DEVICE in float32: unit keys, gates uniform in [gate, 0], beta in (0, 1)."""
+    HV = H if HV is None else HV
+    gen = torch.Generator().manual_seed(seed)
+    x = dict(
+        q=torch.randn(B, T, H, K, generator=gen),
+        k=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
+        v=torch.randn(B, T, HV, V, generator=gen),
+        g=gate * torch.rand(B, T, HV, K, generator=gen),
+        beta=torch.rand(B, T, HV, generator=gen),
+    )
+    if h0:
+        x["initial_state"] = torch.randn(B if N is None else N, HV, K, V, generator=gen)
+    return {name: t.to(DEVICE) for name, t in x.items()}
+
+
+def reference(inputs, cu_seqlens=None):
+    """float64 loop, one sequence at a time with cu_seqlens: (o, final_state)."""
+    x = {name: t.double() for name, t in inputs.items()}
+    if cu_seqlens is None:
+        return kda_recurrent(**x, output_final_state=True)
+    cu = cu_seqlens.tolist()
+    os_, hs = [], []
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        part = {name: t[:, bos:eos] for name, t in x.items() if name != "initial_state"}
+        h0 = x["initial_state"][n : n + 1] if "initial_state" in x else None
+        o, h = kda_recurrent(**part, initial_state=h0, output_final_state=True)
+        os_.append(o)
+        hs.append(h)
+    return torch.cat(os_, dim=1), torch.cat(hs)
+
+
+def rel(x, ref):
+    """Relative norm error; inf when x is not finite where ref is."""
+    x, ref = x.double(), ref.double()
+    if not bool(torch.isfinite(x).all()):
+        return math.inf
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run(path, inputs, dtype=torch.float32, **kw):
+    """One fast path on inputs with q, k, v in `dtype`: (o, final_state) in float32."""
+    x = dict(inputs)
+    x.update({name: x[name].to(dtype) for name in ("q", "k", "v")})
+    if path == "kda_chunked":
+        o, h = kda_chunked(**x, output_final_state=True, **kw)
+    else:
+        fn = chunk_kda if path == "chunk_kda" else fused_recurrent_kda
+        o, h = fn(**x, output_final_state=True, **kw)
+    return o.float(), h
+
+
+def rounded(inputs, dtype):
+    """inputs with q, k, v rounded to `dtype` (the reference then sees what the kernel sees)."""
+    return {n: (t.to(dtype).float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+
+
+def error(path, inputs, dtype=torch.float32, cu_seqlens=None, **kw):
+    ins = rounded(inputs, dtype)
+    ref_o, ref_h = reference(ins, cu_seqlens)
+    extra = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens)
+    o, h = run(path, ins, dtype, **extra, **kw)
+    return max(rel(o, ref_o), rel(h, ref_h))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cases
+
+
+def correlated_keys(T=64, K=32, seed=0):
+    """Nearly parallel keys (e_0 plus 1e-3 noise, normalised), g = 0, beta = 1: the unit-lower inverse's
+    hardest case (its Neumann powers grow like binomial coefficients)."""
+    x = make(1, T, 1, K, K, seed=seed)
+    e = torch.zeros(K, device=DEVICE)
+    e[0] = 1
+    gen = torch.Generator().manual_seed(seed + 1)
+    x["k"] = F.normalize(e + 1e-3 * torch.randn(1, T, 1, K, generator=gen).to(DEVICE), dim=-1)
+    x["g"] = torch.zeros_like(x["g"])
+    x["beta"] = torch.ones_like(x["beta"])
+    return x
+
+
+def hard_resets(T=130, every=7, value=-1000.0):
+    """Gates at `value` every `every` steps (a reset: exp(-1000) = 0), small gates otherwise."""
+    x = make(1, T, 2, 32, 32, HV=4, h0=True, seed=3, gate=-0.1)
+    x["g"][:, every - 1 :: every] = value
+    return x
+
+
+def minus_inf_gates(T=100):
+    """g = -inf (a decay of exactly zero: a legitimate reset) at a few steps and channels."""
+    x = make(1, T, 2, 32, 16, h0=True, seed=4)
+    x["g"][:, 10, 0] = -math.inf
+    x["g"][:, 40:43, 1, :5] = -math.inf
+    x["g"][:, 77] = -math.inf
+    return x
+
+
+def awkward_shapes(seed):
+    """Random sizes: K != V, HV > H, odd T, an initial state; gates at KDA's usual bound."""
+    gen = torch.Generator().manual_seed(seed)
+    H = int(torch.randint(1, 3, (1,), generator=gen))
+    HV = H * int(torch.randint(1, 4, (1,), generator=gen))
+    K, V = (int(torch.randint(3, 70, (1,), generator=gen)) for _ in range(2))
+    T = 2 * int(torch.randint(1, 80, (1,), generator=gen)) + 1
+    return make(2, T, H, K, V, HV=HV, gate=-5.0, seed=seed, h0=True)
+
+
+STRIDED_CU = [0, 9, 30, 9, 70, 9]  # [::2] is [0, 30, 70], a view with stride 2
+
+
+def strided_cu():
+    return torch.tensor(STRIDED_CU, dtype=torch.int32, device=DEVICE)[::2]
+
+
+CASES = {
+    "correlated_keys": lambda: correlated_keys(),
+    "hard_resets_-1000_every_7": lambda: hard_resets(),
+    "g_minus_inf": lambda: minus_inf_gates(),
+    "awkward_shapes_0": lambda: awkward_shapes(0),
+    "awkward_shapes_1": lambda: awkward_shapes(1),
+}
+PATHS = ("kda_chunked", "chunk_kda", "fused_recurrent_kda")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", CASES)
+def test_fast_paths_match_the_float64_loop(case, path):
+    for dtype in DTYPES if path != "kda_chunked" else [torch.float32]:
+        err = error(path, CASES[case](), dtype)
+        print(f"{case} {path} {dtype}: {err:.2e}")
+        assert err <= TOL[dtype], (case, path, dtype, err)
+
+
+@pytest.mark.parametrize("path", ["chunk_kda", "fused_recurrent_kda"])
+def test_strided_cu_seqlens(path):
+    """A cu_seqlens view with stride 2 means the values it shows, [0, 30, 70]."""
+    cu = strided_cu()
+    assert not cu.is_contiguous()
+    err = error(path, make(1, 70, 2, 16, 24, HV=4, h0=True, N=2, seed=5), cu_seqlens=cu)
+    assert err <= TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("where", ["k", "v", "q"])
+@pytest.mark.parametrize("step", [5, 70])
+def test_a_bad_value_never_travels_back_in_time(path, where, step):
+    """A NaN or inf at step t (k, v or q, which no path checks) leaves every output before t exact; from t
+    on the outputs may be NaN (the loop's own answer: the state is NaN after a NaN write)."""
+    x = make(1, 100, 2, 32, 16, h0=True, seed=6)
+    for bad in (math.nan, math.inf):
+        y = {n: t.clone() for n, t in x.items()}
+        y[where][:, step, :, 3] = bad
+        o, _ = run(path, y)
+        ref = reference({n: t[:, :step] if n != "initial_state" else t for n, t in x.items()})[0]
+        err = rel(o[:, :step], ref)
+        assert err <= TOL[torch.float32], (bad, err)
+        assert not bool(torch.isfinite(o[:, step]).all()), "the bad step's output must not look valid"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The table of issue 18 (run as a script)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # the table records what a call did, an error included
+        return f"{type(e).__name__}: {str(e)[:60]}"
+
+
+def _grad_error(path, dtype=torch.float32):
+    """Relative error of the gradients of sum(o * do) against autograd through the float64 loop."""
+    x = rounded(make(1, 67, 1, 16, 16, HV=2, h0=True, seed=7, gate=-2.0), dtype)
+    do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+
+    def grads(fn, cast):
+        xs = {n: cast(t).detach().requires_grad_() for n, t in x.items()}
+        o = fn(**xs)[0]
+        if not o.requires_grad:
+            return None
+        (o.double() * do.double()).sum().backward()
+        return [t.grad for t in xs.values()]
+
+    ref = grads(kda_recurrent, torch.Tensor.double)
+    fn = {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda}[path]
+    got = grads(fn, lambda t: t.to(dtype) if t.dim() == 4 and t is not x["g"] and t is not x["initial_state"] else t)
+    if got is None:
+        return "o.requires_grad is False"
+    return max(rel(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def _causality(path, where):
+    """Error of the outputs before a NaN at step 70 of `where`, against the float64 loop on those steps."""
+    x = make(1, 100, 2, 32, 16, h0=True, seed=6)
+    y = {n: t.clone() for n, t in x.items()}
+    y[where][:, 70, :, 3] = math.nan
+    o, _ = run(path, y)
+    ref = reference({n: t[:, :70] if n != "initial_state" else t for n, t in x.items()})[0]
+    return rel(o[:, :70], ref)
+
+
+def _contract():
+    """What chunk_kda does with g > 0, beta > 1 and a NaN gate (kda_chunked raises on each)."""
+    out = {}
+    for name, change in (("g>0", ("g", 0.5)), ("beta>1", ("beta", 1.5)), ("g NaN", ("g", math.nan))):
+        x = make(1, 20, 1, 16, 16, seed=9)
+        x[change[0]][:, 3] = change[1]
+        out[name] = _try(lambda x=x: "no error, o finite: " + str(bool(chunk_kda(**x)[0].isfinite().all())))
+    return out
+
+
+def measure() -> dict:
+    """Every case of issue 18 on every path: the relative error against the float64 loop, or what happened."""
+    table = {}
+    for case, build in CASES.items():
+        for path in PATHS:
+            for dtype in DTYPES if path != "kda_chunked" else [torch.float32]:
+                table[f"{case} / {path} / {str(dtype)[6:]}"] = _try(lambda: error(path, build(), dtype))
+    for path in ("chunk_kda", "fused_recurrent_kda"):
+        x = make(1, 70, 2, 16, 24, HV=4, h0=True, N=2, seed=5)
+        table[f"strided cu_seqlens / {path}"] = _try(lambda: error(path, x, cu_seqlens=strided_cu()))
+        for dtype in DTYPES:
+            table[f"gradients vs float64 / {path} / {str(dtype)[6:]}"] = _try(lambda: _grad_error(path, dtype))
+    for path in PATHS:
+        for where in ("k", "v", "q"):
+            table[f"NaN in {where} at t=70, outputs before t / {path}"] = _try(lambda: _causality(path, where))
+    table["chunk_kda contract"] = _contract()
+    return table
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1) if DEVICE == "cpu" else None
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (Triton interpreter)"}
+    result["errors"] = measure()
+    for key, value in result["errors"].items():
+        print(f"{key:70s} {value if isinstance(value, str | dict) else f'{value:.2e}'}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "numerics.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    sys.exit(0)

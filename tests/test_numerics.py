@@ -200,9 +200,9 @@ def test_a_bad_value_never_travels_back_in_time(path, where, step):
 # The table of issue 18 (run as a script)
 
 
-def _try(fn):
+def _try(fn, *args, **kw):
     try:
-        return fn()
+        return fn(*args, **kw)
     except Exception as e:  # the table records what a call did, an error included
         return f"{type(e).__name__}: {str(e)[:60]}"
 
@@ -222,7 +222,9 @@ def _grad_error(path, dtype=torch.float32):
 
     ref = grads(kda_recurrent, torch.Tensor.double)
     fn = {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda}[path]
-    got = grads(fn, lambda t: t.to(dtype) if t.dim() == 4 and t is not x["g"] and t is not x["initial_state"] else t)
+    got = grads(
+        fn, lambda t: t.to(dtype) if t.dim() == 4 and t is not x["g"] and t is not x["initial_state"] else t
+    )
     if got is None:
         return "o.requires_grad is False"
     return max(rel(a, b) for a, b in zip(got, ref, strict=True))
@@ -254,15 +256,15 @@ def measure() -> dict:
     for case, build in CASES.items():
         for path in PATHS:
             for dtype in DTYPES if path != "kda_chunked" else [torch.float32]:
-                table[f"{case} / {path} / {str(dtype)[6:]}"] = _try(lambda: error(path, build(), dtype))
+                table[f"{case} / {path} / {str(dtype)[6:]}"] = _try(error, path, build(), dtype)
     for path in ("chunk_kda", "fused_recurrent_kda"):
         x = make(1, 70, 2, 16, 24, HV=4, h0=True, N=2, seed=5)
-        table[f"strided cu_seqlens / {path}"] = _try(lambda: error(path, x, cu_seqlens=strided_cu()))
+        table[f"strided cu_seqlens / {path}"] = _try(error, path, x, cu_seqlens=strided_cu())
         for dtype in DTYPES:
-            table[f"gradients vs float64 / {path} / {str(dtype)[6:]}"] = _try(lambda: _grad_error(path, dtype))
+            table[f"gradients vs float64 / {path} / {str(dtype)[6:]}"] = _try(_grad_error, path, dtype)
     for path in PATHS:
         for where in ("k", "v", "q"):
-            table[f"NaN in {where} at t=70, outputs before t / {path}"] = _try(lambda: _causality(path, where))
+            table[f"NaN in {where} at t=70, outputs before t / {path}"] = _try(_causality, path, where)
     table["chunk_kda contract"] = _contract()
     return table
 

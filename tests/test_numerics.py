@@ -118,19 +118,19 @@ def correlated_keys(T=64, K=32, seed=0):
     return x
 
 
-def hard_resets(T=130, every=7, value=-1000.0):
+def hard_resets(T=100, every=7, value=-1000.0, K=32):
     """Gates at `value` every `every` steps (a reset: exp(-1000) = 0), small gates otherwise."""
-    x = make(1, T, 2, 32, 32, HV=4, h0=True, seed=3, gate=-0.1)
+    x = make(1, T, 1, K, K, HV=2, h0=True, seed=3, gate=-0.1)
     x["g"][:, every - 1 :: every] = value
     return x
 
 
-def minus_inf_gates(T=100):
+def minus_inf_gates(T=100, K=32):
     """g = -inf (a decay of exactly zero: a legitimate reset) at a few steps and channels."""
-    x = make(1, T, 2, 32, 16, h0=True, seed=4)
+    x = make(1, T, 2, K, 16, h0=True, seed=4)
     x["g"][:, 10, 0] = -math.inf
     x["g"][:, 40:43, 1, :5] = -math.inf
-    x["g"][:, 77] = -math.inf
+    x["g"][:, T - 23] = -math.inf
     return x
 
 
@@ -139,9 +139,9 @@ def awkward_shapes(seed):
     gen = torch.Generator().manual_seed(seed)
     H = int(torch.randint(1, 3, (1,), generator=gen))
     HV = H * int(torch.randint(1, 4, (1,), generator=gen))
-    K, V = (int(torch.randint(3, 70, (1,), generator=gen)) for _ in range(2))
-    T = 2 * int(torch.randint(1, 80, (1,), generator=gen)) + 1
-    return make(2, T, H, K, V, HV=HV, gate=-5.0, seed=seed, h0=True)
+    K, V = (int(torch.randint(3, 40, (1,), generator=gen)) for _ in range(2))
+    T = 2 * int(torch.randint(33, 50, (1,), generator=gen)) + 1  # 67 .. 99: two chunks, the second partial
+    return make(1, T, H, K, V, HV=HV, gate=-5.0, seed=seed, h0=True)
 
 
 STRIDED_CU = [0, 9, 30, 9, 70, 9]  # [::2] is [0, 30, 70], a view with stride 2
@@ -179,21 +179,146 @@ def test_strided_cu_seqlens(path):
     assert err <= TOL[torch.float32], err
 
 
+BAD_STEP = 37  # row 5 of the third 16-row block of the first chunk: earlier rows in its block and before it
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("where", ["k", "v", "q"])
-@pytest.mark.parametrize("step", [5, 70])
-def test_a_bad_value_never_travels_back_in_time(path, where, step):
-    """A NaN or inf at step t (k, v or q, which no path checks) leaves every output before t exact; from t
-    on the outputs may be NaN (the loop's own answer: the state is NaN after a NaN write)."""
-    x = make(1, 100, 2, 32, 16, h0=True, seed=6)
-    for bad in (math.nan, math.inf):
-        y = {n: t.clone() for n, t in x.items()}
-        y[where][:, step, :, 3] = bad
-        o, _ = run(path, y)
-        ref = reference({n: t[:, :step] if n != "initial_state" else t for n, t in x.items()})[0]
-        err = rel(o[:, :step], ref)
-        assert err <= TOL[torch.float32], (bad, err)
-        assert not bool(torch.isfinite(o[:, step]).all()), "the bad step's output must not look valid"
+def test_a_bad_value_never_travels_back_in_time(path, where):
+    """A NaN and an inf at step t (k, v or q, which no path checks) leave every output before t exact; from
+    t on the outputs may be NaN (the loop's own answer: the state is NaN after a NaN write)."""
+    x = make(1, 50, 2, 16, 16, h0=True, seed=6)
+    y = {n: t.clone() for n, t in x.items()}
+    y[where][:, BAD_STEP, 0, 3] = math.nan
+    y[where][:, BAD_STEP, 1, 5] = math.inf
+    o, _ = run(path, y)
+    ref = reference({n: t[:, :BAD_STEP] if n != "initial_state" else t for n, t in x.items()})[0]
+    err = rel(o[:, :BAD_STEP], ref)
+    assert err <= TOL[torch.float32], err
+    assert not bool(torch.isfinite(o[:, BAD_STEP]).all()), "the bad step's output must not look valid"
+
+
+@pytest.mark.parametrize("where", ["g", "beta"])
+def test_unchecked_bad_gates_never_travel_back_in_time(where):
+    """With check_inputs=False a NaN gate or write strength reaches the kernels: still only the outputs from
+    its step on are spoilt."""
+    x = make(1, 50, 2, 16, 16, h0=True, seed=6)
+    y = {n: t.clone() for n, t in x.items()}
+    y[where][:, BAD_STEP, 0] = math.nan
+    y[where][:, BAD_STEP, 1] = math.inf
+    o = chunk_kda(**y, check_inputs=False)[0]
+    ref = reference({n: t[:, :BAD_STEP] if n != "initial_state" else t for n, t in x.items()})[0]
+    assert rel(o[:, :BAD_STEP], ref) <= TOL[torch.float32]
+    assert not bool(torch.isfinite(o[:, BAD_STEP]).all())
+
+
+@pytest.mark.parametrize(
+    "change", [("g", 0.5), ("g", math.nan), ("beta", 1.5), ("beta", -0.1), ("beta", math.nan)]
+)
+def test_chunk_kda_checks_values_like_kda_chunked(change):
+    """The values kda_chunked rejects, chunk_kda rejects too (unless told not to look)."""
+    x = make(1, 20, 1, 16, 16, seed=9)
+    x[change[0]][:, 3] = change[1]
+    for fn in (kda_chunked, chunk_kda):
+        with pytest.raises(ValueError, match=f"^{change[0]} of shape"):
+            fn(**x)
+    assert chunk_kda(**x, check_inputs=False)[0].shape == x["v"].shape
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fused_recurrent_gradients_match_the_float64_loop(varlen):
+    """fused_recurrent_kda with inputs that require grad returns a differentiable output whose gradients
+    (the chunked backward's) match autograd through the float64 loop."""
+    cu = torch.tensor([0, 5, 5, 40], device=DEVICE) if varlen else None
+    x = make(1, 40, 1, 16, 16, HV=2, h0=True, seed=7, gate=-2.0, N=3 if varlen else None)
+    gen = torch.Generator().manual_seed(8)
+    do = torch.randn(x["v"].shape, generator=gen).to(DEVICE)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(DEVICE)
+
+    def grads(fn, cast, **kw):
+        xs = {n: cast(t).detach().requires_grad_() for n, t in x.items()}
+        o, h = fn(**xs, output_final_state=True, **kw)
+        ((o.double() * do.double()).sum() + (h.double() * dht.double()).sum()).backward()
+        return [t.grad for t in xs.values()]
+
+    if varlen:  # the loop runs each sequence alone; its gradients are those of the packed call
+        ref = grads(lambda initial_state, output_final_state, **p: _per_sequence(cu, p, initial_state),
+                    torch.Tensor.double)  # fmt: skip
+    else:
+        ref = grads(kda_recurrent, torch.Tensor.double)
+    got = grads(fused_recurrent_kda, lambda t: t, **({} if cu is None else dict(cu_seqlens=cu)))
+    for name, a, b in zip(x, got, ref, strict=True):
+        assert rel(a, b) <= TOL[torch.float32] * 10, (
+            name,
+            rel(a, b),
+        )  # gradients: 1e-4 (CPU), as chunk_kda's
+
+
+def _per_sequence(cu, parts, h0):
+    os_, hs = [], []
+    bounds = cu.tolist()
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        p = {name: t[:, bos:eos] for name, t in parts.items()}
+        if eos == bos:
+            hs.append(h0[n : n + 1])
+            continue
+        o, h = kda_recurrent(**p, initial_state=h0[n : n + 1], output_final_state=True)
+        os_.append(o)
+        hs.append(h)
+    return torch.cat(os_, dim=1), torch.cat(hs)
+
+
+def test_fused_recurrent_gradient_limits_raise():
+    x = make(1, 4, 1, 16, 16, h0=True)
+    x["q"].requires_grad_()
+    with pytest.raises(ValueError, match="inplace_final_state=False"):
+        fused_recurrent_kda(**x, inplace_final_state=True)
+    with torch.no_grad():  # decoding: no gradient, in place is fine
+        fused_recurrent_kda(**x, inplace_final_state=True)
+
+
+def test_resets_in_the_backward():
+    """Gradients through hard resets (-1000 every 7 steps) and g = -inf stay finite and close to float64
+    (the backward's gate sums span the whole chunk: float32 rounding of sums near -1000 costs ~2e-5)."""
+    for x in (hard_resets(T=70, K=16), minus_inf_gates(T=70, K=16)):
+        do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+
+        def grads(fn, cast, x=x, do=do):
+            xs = {n: cast(t).detach().requires_grad_() for n, t in x.items()}
+            o, h = fn(**xs, output_final_state=True)
+            ((o.double() * do.double()).sum() + h.double().sum()).backward()
+            return [t.grad for t in xs.values()]
+
+        for name, a, b in zip(
+            x, grads(chunk_kda, lambda t: t), grads(kda_recurrent, torch.Tensor.double), strict=True
+        ):
+            assert rel(a, b) <= 1e-4 if DEVICE == "cpu" else 1e-3, (name, rel(a, b))
+
+
+def test_kernels_refuse_tensors_they_cannot_reach(monkeypatch):
+    """Compiled kernels (simulated: the interpreter flag off) refuse CPU tensors; the interpreter refuses
+    tensors off the CPU. The error names the argument and what to do."""
+    from kda_edu.triton.chunk import chunk_kda as launch_chunk
+
+    x = make(1, 8, 1, 16, 16)
+    off_cpu = {n: t.to("meta") for n, t in x.items()}
+    if DEVICE == "cpu":
+        with pytest.raises(
+            ValueError, match="q is on meta, but Triton runs kernels through its CPU interpreter"
+        ):
+            launch_chunk(**off_cpu, check_inputs=False)
+        monkeypatch.setattr(_backend, "interpreting", lambda: False)
+        for fn in (launch_chunk, fused_recurrent_kda):
+            with pytest.raises(
+                ValueError, match=r"q is on cpu, but the Triton kernels are compiled .*\(q\.cuda\(\)\)"
+            ):
+                fn(**x)
+    else:
+        with pytest.raises(ValueError, match="q is on cpu, but the Triton kernels are compiled"):
+            launch_chunk(**{n: t.cpu() for n, t in x.items()})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+        with pytest.raises(ValueError, match="bfloat16, which this GPU .*7.5.* float16 or float32"):
+            fused_recurrent_kda(**{n: t.bfloat16() if n in "qkv" else t for n, t in x.items()})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,13 +356,13 @@ def _grad_error(path, dtype=torch.float32):
 
 
 def _causality(path, where):
-    """Error of the outputs before a NaN at step 70 of `where`, against the float64 loop on those steps."""
-    x = make(1, 100, 2, 32, 16, h0=True, seed=6)
+    """Error of the outputs before a NaN at step BAD_STEP of `where`, against the float64 loop on those steps."""
+    x = make(1, 50, 2, 16, 16, h0=True, seed=6)
     y = {n: t.clone() for n, t in x.items()}
-    y[where][:, 70, :, 3] = math.nan
+    y[where][:, BAD_STEP, :, 3] = math.nan
     o, _ = run(path, y)
-    ref = reference({n: t[:, :70] if n != "initial_state" else t for n, t in x.items()})[0]
-    return rel(o[:, :70], ref)
+    ref = reference({n: t[:, :BAD_STEP] if n != "initial_state" else t for n, t in x.items()})[0]
+    return rel(o[:, :BAD_STEP], ref)
 
 
 def _contract():
@@ -264,7 +389,9 @@ def measure() -> dict:
             table[f"gradients vs float64 / {path} / {str(dtype)[6:]}"] = _try(_grad_error, path, dtype)
     for path in PATHS:
         for where in ("k", "v", "q"):
-            table[f"NaN in {where} at t=70, outputs before t / {path}"] = _try(_causality, path, where)
+            table[f"NaN in {where} at t={BAD_STEP}, outputs before t / {path}"] = _try(
+                _causality, path, where
+            )
     table["chunk_kda contract"] = _contract()
     return table
 

@@ -7,7 +7,9 @@ Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, value head), all chun
 rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in registers:
     pass 1, KC key columns at a time: the blocks of A (keys against keys) and Aqk (queries against keys)
         on and below the diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk);
-    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A;
+    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A, by forward
+        substitution (16 rows, element-wise float32: accurate when keys are nearly parallel, see
+        `_unit_lower_inverse`);
     pass 2: w = (I + L)^-1 Diag(beta) (K * exp(gc)) by block forward substitution (the UT transform, 16 rows
         at a time: r_a = (I + L_aa)^-1 (b_a - sum_{c < a} L_ac r_c)), kd = K * exp(gc_C - gc), exp(gc_C);
     pass 3: u = (I + L)^-1 Diag(beta) V the same way;
@@ -52,7 +54,16 @@ registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40.
 Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
 inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state
 use the 16-bit dtype with float32 accumulation. With float32 inputs every product is exact float32 ("ieee").
-Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
+Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable). The diagonal inverses
+use no product at all: element-wise float32 forward substitution.
+
+Resets and bad values. Gates are raised to GATE_FLOOR (-105, whose exp is 0 in float32) as they are loaded
+(`_gates`): a reset of -1000 or -inf decays exactly as before, and every gate sum stays finite and small.
+A NaN or inf in k, v or beta, or a NaN or +inf gate, at step t: the prepare kernel computes with zeros in
+its place (so every product stays finite, and the zeros of the causal masks multiply numbers) and writes
+NaN into row t of u; the scan kernel reads U with its non-finite rows as zeros for Aqk U and sets the outputs
+from the first such row on to NaN; the state update kd^T U reads the NaN rows, so the state after the chunk
+is NaN, as in the loop. The outputs before t are exact.
 """
 
 import torch

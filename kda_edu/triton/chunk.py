@@ -115,19 +115,30 @@ def _chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block by forward substitution, one row at a time:
-    X_i = e_i - sum_{j < i} L_ij X_j, in float32 element-wise products (no tl.dot). Row i reads only rows
-    j < i, so a NaN in a later row never reaches an earlier one, and the rounding stays that of the
-    substitution: the Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) built L^8, whose entries reach
-    about 1.5e3 when keys are nearly parallel and beta is 1 (relative error 3.5e-4 in float32)."""
+def _substitute_row(L, X, i, r):
+    """Row i of forward substitution for X = (I + L)^-1: X_i = e_i - sum_{j < i} L_ij X_j."""
+    l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), axis=0)  # row i of L (zeros from column i on)
+    x_i = tl.sum(l_i[:, None] * X, axis=0)  # sum_j L_ij X_j; rows j >= i of X are still e_j
+    return tl.where(r[:, None] == i, X - x_i[None, :], X)
+
+
+@triton.jit
+def _unit_lower_inverse(L0, L1, L2, L3, BC: tl.constexpr):
+    """(I + L_a)^-1 of four strictly lower-triangular 16 x 16 blocks by forward substitution, one row at a
+    time and the four blocks side by side (independent chains), in float32 element-wise products (no
+    tl.dot). Row i reads only rows j < i, so a NaN in a later row never reaches an earlier one, and the
+    rounding stays that of the substitution: the Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) built
+    L^8, whose entries reach about 1.5e3 when keys are nearly parallel and beta is 1 (relative error 3.5e-4
+    in chunk_kda's float32 output, 6.5e-7 with the substitution; tests/test_numerics.py)."""
     r = tl.arange(0, BC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X0 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X1, X2, X3 = X0, X0, X0
     for i in range(1, BC):
-        l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), axis=0)  # row i of L (zeros from column i on)
-        x_i = tl.sum(l_i[:, None] * X, axis=0)  # sum_j L_ij X_j; rows j >= i of X are still e_j
-        X = tl.where(r[:, None] == i, X - x_i[None, :], X)
-    return X
+        X0 = _substitute_row(L0, X0, i, r)
+        X1 = _substitute_row(L1, X1, i, r)
+        X2 = _substitute_row(L2, X2, i, r)
+        X3 = _substitute_row(L3, X3, i, r)
+    return X0, X1, X2, X3
 
 
 @triton.jit
@@ -376,10 +387,13 @@ def _chunk_prepare_kernel(
         tl.maximum(bad3, f3),
     )
     strict = rc[:, None] > rc[None, :]
-    x0 = _unit_lower_inverse(tl.where(strict, b0 * a00, 0.0), BC)
-    x1 = _unit_lower_inverse(tl.where(strict, b1 * a11, 0.0), BC)
-    x2 = _unit_lower_inverse(tl.where(strict, b2 * a22, 0.0), BC)
-    x3 = _unit_lower_inverse(tl.where(strict, b3 * a33, 0.0), BC)
+    x0, x1, x2, x3 = _unit_lower_inverse(
+        tl.where(strict, b0 * a00, 0.0),
+        tl.where(strict, b1 * a11, 0.0),
+        tl.where(strict, b2 * a22, 0.0),
+        tl.where(strict, b3 * a33, 0.0),
+        BC,
+    )
     a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
 
     # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.

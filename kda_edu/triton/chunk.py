@@ -581,6 +581,8 @@ def chunk_kda(
             as `kda_chunked` does: one reduction over g and beta and one device-to-host copy of its result
             (a synchronisation on a GPU). False skips it; the kernels then compute the same formulas on
             whatever they get, and an out-of-range g or beta gives an undefined result (inf, NaN or wrong).
+            Skipped too while a CUDA graph is being captured (no synchronisation is allowed there, and a
+            replay runs no Python).
 
     What is checked, always and from metadata only: the shapes, dtypes and devices of every tensor, and that
     the kernels can run where the tensors are (`kda_edu._backend.check_device`: CPU tensors under the
@@ -613,7 +615,7 @@ def chunk_kda(
         cu_seqlens = cu_seqlens.contiguous()  # the scan kernel reads it through its pointer
         if initial_state is not None:
             _check_varlen_state(initial_state, N, HV, K, V, q.device)
-    if check_inputs:
+    if check_inputs and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         check_gate_values(g, beta)
     h0 = initial_state.contiguous() if initial_state is not None else None
     scale = resolve_scale(scale, K)

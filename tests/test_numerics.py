@@ -341,6 +341,25 @@ def test_kernels_refuse_tensors_they_cannot_reach(monkeypatch):
             fused_recurrent_kda(**{n: t.bfloat16() if n in "qkv" else t for n, t in x.items()})
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_value_check_is_skipped_while_a_cuda_graph_is_captured():
+    """train.py records whole training steps as CUDA graphs: chunk_kda's value check (a synchronisation)
+    must stand aside during the capture, and the replay gives the eager result (same kernels, same inputs)."""
+    x = make(1, 70, 1, 16, 16, seed=11)
+    eager = chunk_kda(**x)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+        chunk_kda(**x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chunk_kda(**x)[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(captured, eager) <= 1e-6
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The table of issue 18 (run as a script)
 

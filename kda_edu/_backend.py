@@ -32,3 +32,31 @@ def configure() -> None:
     if "triton" in sys.modules:
         raise RuntimeError(_HELP)
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def check_device(x: torch.Tensor, name: str = "q") -> None:
+    """Raise a ValueError, naming `name`, when the kernels cannot run on `x` where it is.
+
+    The interpreter runs kernels on CPU tensors only; compiled kernels need CUDA tensors (a CPU tensor
+    would reach the kernel as a pointer the GPU cannot read), and bfloat16 needs a GPU of compute capability
+    8.0 or newer. Every other tensor of a call is checked against `x`'s device by the input checks.
+    """
+    if interpreting():
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name} is on {x.device}, but Triton runs kernels through its CPU interpreter here "
+                "(TRITON_INTERPRET=1): pass CPU tensors, or start Python without TRITON_INTERPRET=1 to compile "
+                "the kernels for the GPU"
+            )
+        return
+    if x.device.type != "cuda":
+        raise ValueError(
+            f"{name} is on {x.device}, but the Triton kernels are compiled for the CUDA GPU here: move the "
+            f"tensors there first ({name}.cuda()), or use the PyTorch forms in kda_edu.kda on the CPU"
+        )
+    if x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(x.device)
+        raise ValueError(
+            f"{name} is bfloat16, which this GPU (compute capability {major}.{minor}) cannot run in the kernels "
+            "(it needs 8.0 or newer): pass float16 or float32 tensors"
+        )

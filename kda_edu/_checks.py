@@ -32,6 +32,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# A per-step log decay at or below this is a reset: exp of it is exactly 0 in the compute dtype (float32:
+# exp(-105) = 2.5e-46 rounds to 0, below half the smallest subnormal, 1.4e-45; float64: exp(-750), below
+# 4.9e-324). The chunked forms clamp each step's gate here before the cumulative sum within a chunk, which
+# changes no decay (exp of the clamped and of the original gate are both 0, and so is every product with
+# them) but keeps the sums finite (g = -inf would give -inf - (-inf) = NaN) and small (gates of -1000 make the
+# float32 sums so large that their rounding, about 1e-7 of the sum, shows in the decays that do not cross the
+# reset).
+GATE_FLOOR = {torch.float32: -105.0, torch.float64: -750.0}
+
+
+def clamp_gates(g: torch.Tensor) -> torch.Tensor:
+    """g (in a compute dtype, float32 or float64) with every value below `GATE_FLOOR` raised to it; NaN stays."""
+    return g.clamp_min(GATE_FLOOR[g.dtype])
+
+
 def _require_tensor(name: str, x, expected: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {expected}, got {type(x).__name__}")

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kda_edu._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu._checks import check_chunk_size, check_kda_inputs, clamp_gates, compute_dtype, resolve_scale
 from kda_edu._chunks import from_chunks, to_chunks
 from kda_edu.recurrence import general_recurrence
 
@@ -159,6 +159,18 @@ def kda_chunked(
     they become exact zeros with zero gradient instead of `inf * 0 = NaN`. Decays that underflow to 0 are
     correct: the true value is below the dtype's smallest number.
 
+    Resets and rounding: each step's gate is first raised to `kda_edu._checks.GATE_FLOOR` (-105 for float32,
+    whose exp is already exactly 0), so a reset of -1000 or -inf decays exactly as before but gc stays finite
+    (-inf - (-inf) would be NaN). gc is summed and differenced in float64 and only the decays, numbers in
+    [0, 1], are rounded to the compute dtype: a float32 sum that reaches ~1000 after a few resets carries a
+    rounding of ~1e-4, which the decays between the steps after the reset would inherit.
+
+    Non-finite q, k, v: a NaN or inf in the key or value of step t makes the outputs from t on NaN (and the
+    state after t's chunk, so every later output too), as the loop does; the outputs before t are exactly
+    those of the clean prefix. That step runs as a zero step and its outputs are set to NaN afterwards, since
+    the zeros of the causal masks would carry a NaN backwards (0 * NaN = NaN). A non-finite query spoils its
+    own output only. Non-finite g or beta are rejected by the input check.
+
     Args:
         q: queries `[B, T, H, K]`, floating dtype; any T >= 1.
         k: keys `[B, T, H, K]`, same dtype as q (usually L2-normalised).
@@ -182,6 +194,13 @@ def kda_chunked(
     q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
     k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
     v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C, K], [.., C]
+    g = clamp_gates(g).double()  # resets (down to -inf) at GATE_FLOOR; exponents in float64 (docstring)
+    # A step with a non-finite key or value runs as a zero step; the outputs from it on are set to NaN
+    # afterwards, and so is the state after its chunk. Multiplying by the zeros of the causal masks would
+    # instead spread its NaN to the earlier steps of the chunk (0 * NaN = NaN).
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v_c).all(-1))  # [B, HV, NC, C]
+    k, v_c = (torch.where(bad[..., None], 0.0, x) for x in (k, v_c))
+    spoilt = bad.cumsum(dim=-1) > 0  # from the first bad step of the chunk on
     i = torch.arange(C, device=q.device)
     eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
 
@@ -189,19 +208,22 @@ def kda_chunked(
     o = []
     for n in range(q.shape[2]):  # the NC chunks, in order
         q_n, k_n, v_n, beta_n = q[:, :, n], k[:, :, n], v_c[:, :, n], beta[:, :, n, :, None]  # [B, HV, C, .]
-        gc = g[:, :, n].cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]
+        gc = g[:, :, n].cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]; float64
+        decay_in, decay_out = gc.exp().to(dtype), (gc[..., -1:, :] - gc).exp().to(dtype)  # from start, to end
 
         # Independent of S (a kernel does this for all chunks in parallel): the decayed scores, the UT
         # transform (I + A)^-1 Diag(beta) as a triangular solve, and from it u and w.
         Akk, Aqk = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc)  # x = k for A, x = q for Aqk
         L = eye + beta_n * Akk.masked_fill(not_below, 0)  # I + A, A strictly lower triangular
         u = torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(L, beta_n * k_n * gc.exp(), upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(L, beta_n * k_n * decay_in, upper=False, unitriangular=True)
 
         # Sequential: the values written given the incoming state, the outputs, the outgoing state.
         U = u - w @ S  # [B, HV, C, V]
-        o.append((q_n * gc.exp()) @ S + Aqk @ U)
-        S = gc[..., -1, :, None].exp() * S + (k_n * (gc[..., -1:, :] - gc).exp()).transpose(-1, -2) @ U
+        o_n = (q_n * decay_in) @ S + Aqk @ U
+        o.append(torch.where(spoilt[:, :, n, :, None], math.nan, o_n))
+        S = decay_in[..., -1, :, None] * S + (k_n * decay_out).transpose(-1, -2) @ U
+        S = torch.where(spoilt[:, :, n, -1, None, None], math.nan, S)
     return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
 
 
@@ -230,17 +252,18 @@ def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch
     anchor = F.pad(gc[..., b - 1 :: b, :], (0, 0, 1, 0))[..., :nb, :]  # [..., nb, K]: gc before sub-block I
 
     # Columns before the row's sub-block: exp(gc_i - a_I) on the rows, exp(a_I - gc_j) on the columns.
-    x_rows = x.unflatten(-2, (nb, b)) * (gc.unflatten(-2, (nb, b)) - anchor[..., None, :]).exp()
+    x_rows = x.unflatten(-2, (nb, b)) * (gc.unflatten(-2, (nb, b)) - anchor[..., None, :]).exp().to(x.dtype)
     earlier = pos < pos[::b, None]  # [nb, C]: column j lies before sub-block I
     to_anchor = anchor[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K]
     to_anchor = to_anchor.masked_fill(~earlier[..., None], float("-inf"))
-    k_cols = k[..., None, :, :] * to_anchor.exp()  # [..., nb, C, K]
+    k_cols = k[..., None, :, :] * to_anchor.exp().to(k.dtype)  # [..., nb, C, K]
     scores = x_rows @ k_cols.transpose(-1, -2)  # [..., nb, b, C], zero from column I * b on
 
     # Columns inside the row's sub-block: pairwise differences.
     xb, kb, gb = (t.unflatten(-2, (nb, b)) for t in (x, k, gc))
     causal = pos[:b, None] >= pos[:b]  # [b, b]: j <= i
-    decay = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    decay = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~causal[..., None], float("-inf"))
+    decay = decay.exp().to(k.dtype)
     k_decayed = kb[..., None, :, :] * decay  # [..., nb, b, b, K]: key j decayed to row i
     within = (k_decayed @ xb[..., :, :, None]).squeeze(-1)  # [..., nb, b, b]: sum over c of x_ic * that
     # Place sub-block I's own scores at column block I.

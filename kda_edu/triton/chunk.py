@@ -7,7 +7,9 @@ Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, value head), all chun
 rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in registers:
     pass 1, KC key columns at a time: the blocks of A (keys against keys) and Aqk (queries against keys)
         on and below the diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk);
-    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A;
+    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A, by forward
+        substitution (16 rows, element-wise float32: accurate when keys are nearly parallel, see
+        `_unit_lower_inverse`);
     pass 2: w = (I + L)^-1 Diag(beta) (K * exp(gc)) by block forward substitution (the UT transform, 16 rows
         at a time: r_a = (I + L_aa)^-1 (b_a - sum_{c < a} L_ac r_c)), kd = K * exp(gc_C - gc), exp(gc_C);
     pass 3: u = (I + L)^-1 Diag(beta) V the same way;
@@ -52,15 +54,24 @@ registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40.
 Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
 inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state
 use the 16-bit dtype with float32 accumulation. With float32 inputs every product is exact float32 ("ieee").
-Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
+Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable). The diagonal inverses
+use no product at all: element-wise float32 forward substitution.
+
+Resets and bad values. Gates are raised to GATE_FLOOR (-105, whose exp is 0 in float32) as they are loaded
+(`_gates`): a reset of -1000 or -inf decays exactly as before, and every gate sum stays finite and small.
+A NaN or inf in k, v or beta, or a NaN or +inf gate, at step t: the prepare kernel computes with zeros in
+its place (so every product stays finite, and the zeros of the causal masks multiply numbers) and writes
+NaN into row t of u; the scan kernel reads U with its non-finite rows as zeros for Aqk U and sets the outputs
+from the first such row on to NaN; the state update kd^T U reads the NaN rows, so the state after the chunk
+is NaN, as in the loop. The outputs before t are exact.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kda_edu._backend import interpreting
-from kda_edu._checks import check_kda_inputs, resolve_scale
+from kda_edu._backend import check_device, interpreting
+from kda_edu._checks import GATE_FLOOR, check_kda_inputs, resolve_scale
 
 CHUNK = 64  # steps per chunk (C)
 SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
@@ -68,6 +79,16 @@ SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
 # Above this many powers of two, a half sub-chunk's gate sum is too large for the anchored split of the
 # diagonal block (both factors must stay normal float32 numbers, 2^-126 .. 2^127, with room for |k| < 1).
 _DIAG_LIMIT = tl.constexpr(96.0)
+# Gates are raised to this as they are loaded (kda_edu._checks.GATE_FLOOR: exp of it is 0 in float32), so a
+# reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
+_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
+
+
+@triton.jit
+def _gates(x):
+    """Base-2 gates from loaded natural-log ones, raised to GATE_FLOOR first (NaN stays NaN)."""
+    x = x.to(tl.float32)
+    return tl.where(x < _FLOOR, _FLOOR, x) * 1.4426950408889634
 
 
 @triton.jit
@@ -94,16 +115,43 @@ def _chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(L, BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block: L^16 = 0, so the Neumann series
-    I - L + L^2 - ... - L^15 is exact and factors as (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+def _substitute_row(L, X, i, r):
+    """Row i of forward substitution for X = (I + L)^-1: X_i = e_i - sum_{j < i} L_ij X_j."""
+    l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), axis=0)  # row i of L (zeros from column i on)
+    x_i = tl.sum(l_i[:, None] * X, axis=0)  # sum_j L_ij X_j; rows j >= i of X are still e_j
+    return tl.where(r[:, None] == i, X - x_i[None, :], X)
+
+
+@triton.jit
+def _unit_lower_inverse(L0, L1, L2, L3, BC: tl.constexpr):
+    """(I + L_a)^-1 of four strictly lower-triangular 16 x 16 blocks by forward substitution, one row at a
+    time and the four blocks side by side (independent chains), in float32 element-wise products (no
+    tl.dot). Row i reads only rows j < i, so a NaN in a later row never reaches an earlier one, and the
+    rounding stays that of the substitution: the Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) built
+    L^8, whose entries reach about 1.5e3 when keys are nearly parallel and beta is 1 (relative error 3.5e-4
+    in chunk_kda's float32 output, 6.5e-7 with the substitution; tests/test_numerics.py)."""
     r = tl.arange(0, BC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - L
-    P = L
-    for _ in tl.static_range(3):
-        P = tl.dot(P, P, input_precision=PREC)  # L^2, L^4, L^8
-        X += tl.dot(X, P, input_precision=PREC)
-    return X
+    X0 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X1, X2, X3 = X0, X0, X0
+    for i in range(1, BC):
+        X0 = _substitute_row(L0, X0, i, r)
+        X1 = _substitute_row(L1, X1, i, r)
+        X2 = _substitute_row(L2, X2, i, r)
+        X3 = _substitute_row(L3, X3, i, r)
+    return X0, X1, X2, X3
+
+
+@triton.jit
+def _clean(x):
+    """x with its NaN and inf entries replaced by 0, and a flag per row: 1.0 where the row had one."""
+    ok = tl.abs(x) < float("inf")
+    return tl.where(ok, x, 0.0), tl.max(tl.where(ok, 0.0, 1.0), axis=1)
+
+
+@triton.jit
+def _spoil(x, bad):
+    """x with the rows flagged in `bad` (> 0) set to NaN."""
+    return tl.where(bad[:, None] > 0, float("nan"), x)
 
 
 @triton.jit
@@ -173,25 +221,32 @@ def _store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
 
 
 @triton.jit
+def _key_block(k_h, g_h, t, cols, H, HV, K, n_t):
+    """Rows t of the keys and the base-2 gate cumsum over them in key columns `cols` (gates through `_gates`),
+    with NaN / inf keys and NaN / +inf gates replaced by 0, and a flag per row: 1.0 where it had one."""
+    k, bad = _clean(_load_rows(k_h, t, H * K, cols, K, n_t).to(tl.float32))
+    g = _load_rows(g_h, t, HV * K, cols, K, n_t).to(tl.float32)
+    ok = g < float("inf")
+    bad = tl.maximum(bad, tl.max(tl.where(ok, 0.0, 1.0), axis=1))
+    return k, tl.cumsum(tl.where(ok, _gates(g), 0.0), axis=0), bad
+
+
+@triton.jit
 def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
     """The chunk's four 16-row blocks of keys and base-2 gates in key columns `cols`: k_a, the within-block
-    gate cumsums l_a (<= 0) and the block gate sums s_a ([1, len(cols)]), for a = 0..3."""
-    LOG2E: tl.constexpr = 1.4426950408889634
+    gate cumsums l_a (<= 0), the block gate sums s_a ([1, len(cols)]) and the rows' flags f_a (`_key_block`),
+    for a = 0..3."""
     rc = tl.arange(0, BC)
     last = (rc == BC - 1)[:, None]
-    k0 = _load_rows(k_h, rc, H * K, cols, K, n_t).to(tl.float32)
-    k1 = _load_rows(k_h, BC + rc, H * K, cols, K, n_t).to(tl.float32)
-    k2 = _load_rows(k_h, 2 * BC + rc, H * K, cols, K, n_t).to(tl.float32)
-    k3 = _load_rows(k_h, 3 * BC + rc, H * K, cols, K, n_t).to(tl.float32)
-    l0 = tl.cumsum(_load_rows(g_h, rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-    l1 = tl.cumsum(_load_rows(g_h, BC + rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-    l2 = tl.cumsum(_load_rows(g_h, 2 * BC + rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
-    l3 = tl.cumsum(_load_rows(g_h, 3 * BC + rc, HV * K, cols, K, n_t).to(tl.float32) * LOG2E, axis=0)
+    k0, l0, f0 = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
+    k1, l1, f1 = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
+    k2, l2, f2 = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
+    k3, l3, f3 = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
     s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
     s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
     s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
     s3 = tl.sum(tl.where(last, l3, 0.0), axis=0)[None, :]
-    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3
+    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3
 
 
 @triton.jit(do_not_specialize=["NT"])
@@ -256,9 +311,17 @@ def _chunk_prepare_kernel(
     a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
     q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
     a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
+    # Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros there; their rows of u
+    # are set to NaN, and the scan kernel spoils the outputs from the first such row on (and the state).
+    bad0 = tl.zeros([BC], dtype=tl.float32)
+    bad1, bad2, bad3 = bad0, bad0, bad0
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _ = _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
+        )
+        bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
+        bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
         c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
 
         q0 = _load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
@@ -313,21 +376,32 @@ def _chunk_prepare_kernel(
     _store_block(aqk, row0, 2, BC, BT, 3 * BC + cc, zero)
 
     # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
-    b0 = tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None]
-    b1 = tl.load(b_h + t_1 * HV, mask=t_1 < n_t, other=0.0).to(tl.float32)[:, None]
-    b2 = tl.load(b_h + t_2 * HV, mask=t_2 < n_t, other=0.0).to(tl.float32)[:, None]
-    b3 = tl.load(b_h + t_3 * HV, mask=t_3 < n_t, other=0.0).to(tl.float32)[:, None]
+    b0, f0 = _clean(tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None])
+    b1, f1 = _clean(tl.load(b_h + t_1 * HV, mask=t_1 < n_t, other=0.0).to(tl.float32)[:, None])
+    b2, f2 = _clean(tl.load(b_h + t_2 * HV, mask=t_2 < n_t, other=0.0).to(tl.float32)[:, None])
+    b3, f3 = _clean(tl.load(b_h + t_3 * HV, mask=t_3 < n_t, other=0.0).to(tl.float32)[:, None])
+    bad0, bad1, bad2, bad3 = (
+        tl.maximum(bad0, f0),
+        tl.maximum(bad1, f1),
+        tl.maximum(bad2, f2),
+        tl.maximum(bad3, f3),
+    )
     strict = rc[:, None] > rc[None, :]
-    x0 = _unit_lower_inverse(tl.where(strict, b0 * a00, 0.0), BC, PREC)
-    x1 = _unit_lower_inverse(tl.where(strict, b1 * a11, 0.0), BC, PREC)
-    x2 = _unit_lower_inverse(tl.where(strict, b2 * a22, 0.0), BC, PREC)
-    x3 = _unit_lower_inverse(tl.where(strict, b3 * a33, 0.0), BC, PREC)
+    x0, x1, x2, x3 = _unit_lower_inverse(
+        tl.where(strict, b0 * a00, 0.0),
+        tl.where(strict, b1 * a11, 0.0),
+        tl.where(strict, b2 * a22, 0.0),
+        tl.where(strict, b3 * a33, 0.0),
+        BC,
+    )
     a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
 
     # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3 = _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, _, _, _, _ = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
+        )
         r0, r1, r2, r3 = _solve(
             b0 * k0 * tl.exp2(l0), b1 * k1 * tl.exp2(l1 + s0), b2 * k2 * tl.exp2(l2 + s0 + s1),
             b3 * k3 * tl.exp2(l3 + s0 + s1 + s2), x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
@@ -343,20 +417,20 @@ def _chunk_prepare_kernel(
         _store_block(kd, row0, 3, BC, BK, cols, k3 * tl.exp2(s3 - l3))
         tl.store(gl + row0 // BT * BK + cols[None, :], tl.exp2(s0 + s1 + s2 + s3))
 
-    # Pass 3: u = (I + L)^-1 Diag(beta) V.
+    # Pass 3: u = (I + L)^-1 Diag(beta) V, with NaN in the rows flagged above or with a bad value here.
     for vc in range(0, BV, VC):
         cols = vc + tl.arange(0, VC)
+        v0, e0 = _clean(_load_rows(v_h, t_0, HV * V, cols, V, n_t).to(tl.float32))
+        v1, e1 = _clean(_load_rows(v_h, t_1, HV * V, cols, V, n_t).to(tl.float32))
+        v2, e2 = _clean(_load_rows(v_h, t_2, HV * V, cols, V, n_t).to(tl.float32))
+        v3, e3 = _clean(_load_rows(v_h, t_3, HV * V, cols, V, n_t).to(tl.float32))
         r0, r1, r2, r3 = _solve(
-            b0 * _load_rows(v_h, t_0, HV * V, cols, V, n_t).to(tl.float32),
-            b1 * _load_rows(v_h, t_1, HV * V, cols, V, n_t).to(tl.float32),
-            b2 * _load_rows(v_h, t_2, HV * V, cols, V, n_t).to(tl.float32),
-            b3 * _load_rows(v_h, t_3, HV * V, cols, V, n_t).to(tl.float32),
-            x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+            b0 * v0, b1 * v1, b2 * v2, b3 * v3, x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
         )  # fmt: skip
-        _store_block(u, row0, 0, BC, BV, cols, r0)
-        _store_block(u, row0, 1, BC, BV, cols, r1)
-        _store_block(u, row0, 2, BC, BV, cols, r2)
-        _store_block(u, row0, 3, BC, BV, cols, r3)
+        _store_block(u, row0, 0, BC, BV, cols, _spoil(r0, bad0 + e0))
+        _store_block(u, row0, 1, BC, BV, cols, _spoil(r1, bad1 + e1))
+        _store_block(u, row0, 2, BC, BV, cols, _spoil(r2, bad2 + e2))
+        _store_block(u, row0, 3, BC, BV, cols, _spoil(r3, bad3 + e3))
     if STORE_X:  # pass 4: X itself, the same substitution with the identity as right-hand side
         for xc in range(0, BT, VC):
             cols = xc + tl.arange(0, VC)
@@ -449,7 +523,12 @@ def _chunk_scan_kernel(
         s_lo = S.to(w_n.dtype)
         u_n = u_n.to(tl.float32) - tl.dot(w_n, s_lo, input_precision=PREC)
         u_lo = u_n.to(w_n.dtype)
-        o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(a_n, u_lo, input_precision=PREC)
+        # A row of U that is not finite (a bad input at that step, marked by the prepare kernel) spoils the
+        # outputs from it on and the state; Aqk U reads the rows with it replaced by 0 (Aqk's zeros above the
+        # diagonal times a NaN would spoil the earlier outputs too), and the later outputs are set to NaN.
+        u_ok, bad = _clean(u_n)
+        o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(a_n, u_ok.to(w_n.dtype), input_precision=PREC)
+        o_n = _spoil(o_n, tl.cumsum(bad, axis=0))
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)
 
         t = bos + n * BT + rows
@@ -475,8 +554,9 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     keep_intermediates: bool = False,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA with Triton kernels; same contract as `kda_edu.kda.kda_chunked`.
+    """KDA with Triton kernels; the contract of `kda_edu.kda.kda_chunked`, with the differences below.
 
     The forward runs two kernels (module docstring). When any input requires a gradient, the call goes
     through `kda_edu.triton.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
@@ -497,6 +577,22 @@ def chunk_kda(
             and X = (I + L)^-1, about 1.1 times the bytes of q, k, v and g together at K = V = 128 in bf16)
             until the backward, instead of recomputing them there. The backward then skips its first kernel;
             the memory held between forward and backward grows by those bytes, its peak does not.
+        check_inputs: check the values of g (<= 0, not NaN; -inf is a reset) and beta (in [0, 1], not NaN),
+            as `kda_chunked` does: one reduction over g and beta and one device-to-host copy of its result
+            (a synchronisation on a GPU). False skips it; the kernels then compute the same formulas on
+            whatever they get, and an out-of-range g or beta gives an undefined result (inf, NaN or wrong).
+            Skipped too while a CUDA graph is being captured (no synchronisation is allowed there, and a
+            replay runs no Python).
+
+    What is checked, always and from metadata only: the shapes, dtypes and devices of every tensor, and that
+    the kernels can run where the tensors are (`kda_edu._backend.check_device`: CPU tensors under the
+    interpreter, CUDA tensors when compiled, bfloat16 only from compute capability 8.0). cu_seqlens' values
+    are checked too (one small copy to the host: they decide which memory the kernels read). Never checked:
+    the values of q, k, v and initial_state. As in `kda_chunked`, a NaN or inf in the key or value of step t
+    makes the outputs from t on NaN and leaves the earlier ones exact (the kernels run that step as a zero
+    step and set the outputs from it on to NaN); a non-finite query spoils only its own output.
+    Gates below `kda_edu._checks.GATE_FLOOR` (-105) are raised to it as they are loaded: the same decay,
+    exactly 0 in float32.
 
     Returns:
         `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` (`[N, HV, K, V]` with
@@ -513,10 +609,14 @@ def chunk_kda(
         raise ValueError(
             f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
         )
+    check_device(q)
     if cu_seqlens is not None:
         N = _validate_cu_seqlens(cu_seqlens, B, T, q.device)
+        cu_seqlens = cu_seqlens.contiguous()  # the scan kernel reads it through its pointer
         if initial_state is not None:
             _check_varlen_state(initial_state, N, HV, K, V, q.device)
+    if check_inputs and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_gate_values(g, beta)
     h0 = initial_state.contiguous() if initial_state is not None else None
     scale = resolve_scale(scale, K)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
@@ -526,6 +626,24 @@ def chunk_kda(
             q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, bool(keep_intermediates)
         )
     return _chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+
+
+def check_gate_values(g: torch.Tensor, beta: torch.Tensor) -> None:
+    """Raise a ValueError unless g <= 0 and 0 <= beta <= 1 everywhere (NaN fails both), with one
+    device-to-host copy (the messages, on the error path, cost more)."""
+    ok = torch.stack([(g <= 0).all(), ((beta >= 0) & (beta <= 1)).all()])
+    g_ok, beta_ok = ok.tolist()
+    if not g_ok:
+        raise ValueError(
+            f"g of shape [B, T, HV, K] must be <= 0 (a log-space decay) and not NaN, got max {g.max():.4g} "
+            "(chunk_kda(..., check_inputs=False) skips this check)"
+        )
+    if not beta_ok:
+        lo, hi = torch.aminmax(beta)
+        raise ValueError(
+            f"beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in [{lo:.4g}, {hi:.4g}] "
+            "(chunk_kda(..., check_inputs=False) skips this check)"
+        )
 
 
 def chunk_layout(T: int, B: int = 1, cu_seqlens: torch.Tensor | None = None, chunk: int = CHUNK):

@@ -73,11 +73,13 @@ import triton.language as tl
 
 from kda_edu.triton.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     _DIAG_LIMIT,
+    _FLOOR,
     CHUNK,
     SUB,
     _chunk_kda_fwd,
     _chunk_span,
     _diag_span,
+    _gates,
     _load_rows,
     _pow2,
     _seq_chunks,
@@ -122,7 +124,7 @@ def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
     """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t)."""
     k_a = _load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
     qs_a = _load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
-    g_a = _load_rows(g_h, ta, HV * K, ck, K, n_t).to(tl.float32) * 1.4426950408889634
+    g_a = _gates(_load_rows(g_h, ta, HV * K, ck, K, n_t))
     beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
     return k_a, qs_a, g_a, beta_a
 
@@ -248,7 +250,6 @@ def _local_v_kernel(
     if not FIRST:
         i_k += 1
     i_h = i_hv // (HV // H)
-    L2E: tl.constexpr = 1.4426950408889634
     t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
@@ -297,8 +298,7 @@ def _local_v_kernel(
     # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
     k_all = _load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)
     qs = _load_rows(q + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32) * scale
-    gc = tl.cumsum(_load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E,
-                   axis=0)  # fmt: skip
+    gc = tl.cumsum(_gates(_load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t)), axis=0)
     gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
     w_c = tl.load(w + r * BKP + ck[None, :]).to(tl.float32)
     dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
@@ -354,7 +354,6 @@ def _local_k_kernel(
     i_k = tl.program_id(2)
     i_h = i_hv // (HV // H)
     NB: tl.constexpr = BT // BC
-    L2E: tl.constexpr = 1.4426950408889634
     t0, t_end = _chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
@@ -367,7 +366,7 @@ def _local_k_kernel(
     c = (i_hv * NCH + i_c).to(tl.int64)
 
     k_all = _load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
-    gc = tl.cumsum(_load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) * L2E, axis=0)
+    gc = tl.cumsum(_gates(_load_rows(g_h, rows, HV * K, ck, K, n_t)), axis=0)
 
     acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
     acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -420,7 +419,9 @@ def _local_k_kernel(
     d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.sum(d, axis=0)[None, :] - tl.cumsum(d, axis=0) + d
-    tl.store(dg_p, dg, mask=km)
+    # A gate below GATE_FLOOR was raised to it (`_gates`): the output does not depend on it, dg = 0.
+    below = _load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) < _FLOOR
+    tl.store(dg_p, tl.where(below, 0.0, dg), mask=km)
 
 
 def _chunk_kda_bwd(

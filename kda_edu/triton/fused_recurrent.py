@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_edu._backend import interpreting
+from kda_edu._backend import check_device, interpreting
 from kda_edu._checks import check_kda_inputs, resolve_scale
 
 __all__ = ["fused_recurrent_kda"]
@@ -248,6 +248,12 @@ def fused_recurrent_kda(
     Shapes, dtypes, devices and ``cu_seqlens`` are checked; the values of ``g`` (``<= 0``) and
     ``beta`` are not, since that would cost a device-to-host sync on every decoding step. A
     ``cu_seqlens`` check does cost one sync (its values decide which memory the kernel reads).
+
+    Gradients: when an input requires one (and grad mode is on), the call goes through
+    `FusedRecurrentKDAFunction`, whose backward is the chunked backward of `chunk_kda`
+    (`kda_edu.triton.chunk_bwd`): the same function, differentiated by kernels tested against
+    float64. It needs K, V <= 256 and no ``inplace_final_state`` (the backward reads the initial
+    state); otherwise such a call raises a ValueError.
     """
     # Shapes, dtypes and devices only: checking g <= 0 and beta in [0, 1] would cost a
     # device-to-host sync per call, longer than the decoding step itself.
@@ -258,6 +264,15 @@ def fused_recurrent_kda(
         raise TypeError(
             f"fused_recurrent_kda takes float16, bfloat16 or float32 inputs (it computes in float32), "
             f"got q of dtype {q.dtype}; use kda_edu.kda.kda_recurrent for float64"
+        )
+    check_device(q)
+    tensors = (q, k, v, g, beta, initial_state)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    if grad and (inplace_final_state or K > 256 or V > 256):
+        raise ValueError(
+            "fused_recurrent_kda's gradients (an input requires grad) need K, V <= 256 and "
+            f"inplace_final_state=False, got K={K}, V={V}, inplace_final_state={inplace_final_state}; "
+            "call it under torch.no_grad() for decoding"
         )
     if cu_seqlens is None:
         N = B
@@ -283,7 +298,17 @@ def fused_recurrent_kda(
         initial_state = initial_state.contiguous()
     scale = resolve_scale(scale, K)
 
-    block_v, num_warps = _default_config(K, V, N * HV, q.device)
+    if grad:
+        return FusedRecurrentKDAFunction.apply(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
+        )
+    return _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens)
+
+
+def _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens):
+    """Pick the launch configuration and run the kernel on contiguous copies of the inputs."""
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    block_v, num_warps = _default_config(q.shape[3], v.shape[3], N * v.shape[2], q.device)
     if interpreting():
         num_warps = 1
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -291,3 +316,33 @@ def fused_recurrent_kda(
         q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps
     )
     return o, final_state
+
+
+class FusedRecurrentKDAFunction(torch.autograd.Function):
+    """`fused_recurrent_kda` with gradients: the recurrent kernel forward, the chunked backward.
+
+    The two compute the same function (the chunked form is the loop regrouped), so the gradients of
+    `kda_edu.triton.chunk_bwd`'s kernels, which recompute what they need from the inputs, are the
+    gradients of this forward. The forward saves the inputs only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        shape = (N, v.shape[2], q.shape[3], v.shape[3])
+        final_state = q.new_empty(shape, dtype=torch.float32) if output_final_state else None
+        o, final_state = _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale = scale
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from kda_edu.triton.chunk_bwd import _chunk_kda_bwd  # on use: chunk_bwd imports this package
+
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        dht = dht.contiguous() if dht is not None else None
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(
+            q, k, v, g, beta, ctx.scale, h0, do.contiguous(), dht, cu_seqlens
+        )
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None

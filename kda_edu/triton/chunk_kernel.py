@@ -6,7 +6,8 @@
   chapter 6 (`kda_edu.chunkwise`).
 - `diagonal_block_inverse` and `block_forward_substitution` are the kernel's triangular solve, written in
   PyTorch so that they can be checked against `torch.linalg.inv` / `torch.linalg.solve`: (I + L)^-1 B, 16
-  rows at a time, with the product-form inverse used only for the 16 x 16 diagonal blocks.
+  rows at a time, with the 16 x 16 diagonal blocks inverted by forward substitution, row by row.
+  `neumann_block_inverse` is the product form the kernel used before, kept to show why it was dropped.
 - `design_traffic` and `design_flops` count what the two kernels move and compute per token and head.
 - `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
   `kda_edu.book.bench_result`).
@@ -107,10 +108,25 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
 
 
 def diagonal_block_inverse(L: torch.Tensor) -> torch.Tensor:
-    """`(I + L)^-1` of one strictly lower-triangular block `[..., n, n]` by products, as the kernel does it.
+    """`X = (I + L)^-1` of strictly lower-triangular blocks `[..., n, n]` by forward substitution, as the kernel.
+
+    Row i of `(I + L) X = I` reads `X_i + sum_{j < i} L_ij X_j = e_i`: each row needs only the rows above it,
+    so n - 1 steps of one row each (the kernel does the same with element-wise products, four blocks at once).
+    """
+    n = L.shape[-1]
+    X = torch.eye(n, dtype=L.dtype, device=L.device).expand(L.shape).clone()
+    for i in range(1, n):
+        X[..., i, :] = X[..., i, :] - (L[..., i, :i, None] * X[..., :i, :]).sum(-2)
+    return X
+
+
+def neumann_block_inverse(L: torch.Tensor) -> torch.Tensor:
+    """`(I + L)^-1` of strictly lower-triangular blocks `[..., n, n]` by products (the kernel's former way).
 
     L^n = 0, so the Neumann series I - L + L^2 - ... is finite, and with m = the next power of two >= n it
-    factors as (I - L)(I + L^2)(I + L^4)...(I + L^(m/2)): for n = 16, three squarings and three updates.
+    factors as (I - L)(I + L^2)(I + L^4)...(I + L^(m/2)): for n = 16, three squarings and three updates,
+    no loop over rows. Exact in exact arithmetic; in float32 its intermediate powers of L can be far larger
+    than the inverse itself (nearly parallel keys), and their rounding shows in the result.
     """
     n = L.shape[-1]
     X = torch.eye(n, dtype=L.dtype, device=L.device) - L
@@ -185,10 +201,10 @@ def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, fl
     """FLOPs per token and value head of the two kernels, by phase (2 FLOPs per multiply-add)."""
     nb = C // sub  # blocks of rows per chunk
     pairs = nb * (nb + 1) // 2  # blocks (a, c) with c <= a: A and Aqk each, [sub, K] x [K, sub]
-    squarings = max(0, math.ceil(math.log2(sub)) - 1)  # each followed by one update: 2 products
     return {
         "prepare: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
-        "prepare: diagonal block inverses": nb * 2 * squarings * 2 * sub**3 / C,
+        # forward substitution: sub - 1 row steps, each a masked [sub, sub] multiply and column sum
+        "prepare: diagonal block inverses": nb * (sub - 1) * 2 * sub * sub / C,
         # per column: block a costs a products L_ac R_c and one X_a (..): nb (nb + 1) / 2 products [sub, sub]
         "prepare: w, u by block substitution": pairs * 2 * sub * sub * (K + V) / C,
         "scan: w S, qg S, kd^T U": 3 * 2 * K * V,

@@ -23,8 +23,8 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from kda_edu.gates import kda_gate, kda_gate_lower_bound
 from kda_edu.gated_delta import gated_delta_recurrent
+from kda_edu.gates import kda_gate, kda_gate_lower_bound
 from kda_edu.kda import kda_recurrent
 from kda_edu.recurrence import general_recurrence
 
@@ -300,8 +300,14 @@ class LearnedMemory(torch.nn.Module):
         g = g.reshape(1, 1, 1, K) if self.per_channel else g.reshape(1, 1, H, 1)
         v = task.v.expand(B, T, H, task.v.shape[-1])
         _, S = general_recurrence(
-            k, k, v, g.expand(B, T, H, g.shape[-1]), k.new_ones(B, T, H),
-            delta_rule=True, scale=1.0, output_final_state=True,
+            k,
+            k,
+            v,
+            g.expand(B, T, H, g.shape[-1]),
+            k.new_ones(B, T, H),
+            delta_rule=True,
+            scale=1.0,
+            output_final_state=True,
         )
         read = torch.einsum("bqhk,bhkv,h->bqv", q, S, self.out)
         err = (read - task.targets).pow(2).sum(-1)  # [B, Q]

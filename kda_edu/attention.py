@@ -30,7 +30,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)
     visible = torch.arange(Tk, device=q.device) <= query_pos[:, None]  # [Tq, Tk]
     scores = scores.masked_fill(~visible, float("-inf"))
-    p = scores.softmax(dim=-1).repeat_interleave(HV // H, dim=1)  # [B, HV, Tq, Tk]
+    p = scores.softmax(dim=-1)  # [B, H, Tq, Tk]
+    if HV != H:  # value heads share a query/key head: copy its weights once per value head, [B, HV, Tq, Tk]
+        p = p.repeat_interleave(HV // H, dim=1)
     return torch.einsum("bhij,bjhv->bihv", p, v.to(dtype)).to(q.dtype)
 
 

@@ -128,3 +128,86 @@ def linear_attention_chunked(
         o.append(q[:, :, n] @ S + intra[:, :, n])
         S = S + k[:, :, n].transpose(-1, -2) @ v_c[:, :, n]
     return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+
+
+def decayed_linear_attention_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear attention with a decay and no delta rule (RetNet, Mamba-2): `S = exp(g_t) S + k_t v_t^T`,
+    `o_t = S^T (scale q_t)`, as a loop over time (`general_recurrence` with `delta_rule=False`).
+
+    Args:
+        q: queries `[B, T, H, K]`, floating dtype.
+        k: keys `[B, T, H, K]`, same dtype as q.
+        v: values `[B, T, HV, V]`, same dtype as q, HV a multiple of H.
+        g: log-space decay per value head and step `[B, T, HV]`, values <= 0.
+        scale: query scale; `K ** -0.5` when None.
+        initial_state: optional `[B, HV, K, V]` in float32 (float64 for float64 inputs); zeros when None.
+        output_final_state: also return the state after step T.
+
+    Returns:
+        `(o, final_state)` as `linear_attention_recurrent`.
+    """
+    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, None, initial_state, gate="head", with_beta=False)
+    return general_recurrence(
+        q,
+        k,
+        v,
+        g=g[..., None],
+        beta=torch.ones(B, T, HV, dtype=q.dtype, device=q.device),
+        delta_rule=False,
+        scale=resolve_scale(scale, K),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+    )
+
+
+def decayed_linear_attention_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decayed_linear_attention_recurrent` chunk by chunk.
+
+    With `gc_i` the cumulative log decay from the chunk start to step i (inclusive), `S_0` the state entering
+    the chunk and the mask `M_ij = exp(gc_i - gc_j)` for j <= i (0 above the diagonal; every exponent <= 0):
+
+        O   = diag(exp(gc)) (scale Q) S_0 + ((scale Q K^T) * M) V
+        S_C = exp(gc_C) S_0 + (K * exp(gc_C - gc))^T V
+
+    Args and returns as `decayed_linear_attention_recurrent`, plus `chunk_size`, C.
+    """
+    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, None, initial_state, gate="head", with_beta=False)
+    scale = resolve_scale(scale, K)
+    C = check_chunk_size(chunk_size)
+    dtype = compute_dtype(q.dtype)
+
+    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
+    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
+    v_c = to_chunks(v, C, dtype)  # [B, HV, NC, C, V]
+    gc = to_chunks(g, C, dtype).cumsum(dim=-1)  # [B, HV, NC, C]; padded steps have g = 0
+    i = torch.arange(C, device=q.device)
+    diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(i[:, None] < i, float("-inf"))  # [.., C, C]
+    intra = ((q @ k.transpose(-1, -2)) * diff.exp()) @ v_c
+    to_end = (gc[..., -1:] - gc).exp()  # [B, HV, NC, C]: decay from step j to the chunk's end
+
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
+    o = []
+    for n in range(q.shape[2]):  # the NC chunks, in order
+        o.append(gc[:, :, n, :, None].exp() * (q[:, :, n] @ S) + intra[:, :, n])
+        S = (
+            gc[:, :, n, -1, None, None].exp() * S
+            + (k[:, :, n] * to_end[:, :, n, :, None]).transpose(-1, -2) @ v_c[:, :, n]
+        )
+    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)

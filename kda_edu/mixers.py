@@ -10,6 +10,7 @@ norm, and the state size `H x K x V`:
 
     kind                recurrence                                 extra inputs
     "linear_attention"  S += k v^T                                 none
+    "decay_only"        S = exp(g) S + k v^T (Mamba-2, RetNet)     g per head (Mamba-2 style gate), no beta
     "deltanet"          S += beta k (v - S^T k)^T                  beta = sigmoid(W_b x)
     "gated_deltanet"    S = exp(g) S, then the delta rule          beta; g per head (Mamba-2 style gate)
     "kda"               S = Diag(exp(g)) S, then the delta rule    beta; g per head and key channel
@@ -43,14 +44,18 @@ from kda_edu.gated_delta import gated_delta_chunked
 from kda_edu.gates import beta_sigmoid, kda_gate, l2_normalize
 from kda_edu.kda import kda_chunked
 from kda_edu.kda_layer import GatedRMSNorm, ShortConv
-from kda_edu.linear_attention import linear_attention_chunked
+from kda_edu.linear_attention import decayed_linear_attention_chunked, linear_attention_chunked
 
 KINDS = ("linear_attention", "deltanet", "gated_deltanet", "kda", "attention")
+# Decay without the delta rule (chapter 4's 2 x 2 ablation). Kept out of KINDS, which the recall sweeps' presets
+# list, so that adding it to a sweep is a decision of the sweep; every mixer accepts it.
+EXTRA_KINDS = ("decay_only",)
 DELTA_RULE_KINDS = ("deltanet", "gated_deltanet", "kda")  # the kinds with beta, which backend="triton" runs
 BACKENDS = ("torch", "triton")
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 LABELS = {
     "linear_attention": "linear attention",
+    "decay_only": "decay only (Mamba-2)",
     "deltanet": "DeltaNet",
     "gated_deltanet": "Gated DeltaNet",
     "kda": "KDA",
@@ -63,7 +68,7 @@ class MixerConfig:
     """One token mixer (its width `d_model` comes from the model).
 
     Attributes:
-        kind: one of `KINDS`.
+        kind: one of `KINDS` or `EXTRA_KINDS`.
         num_heads: H.
         head_dim: K = V, the width of q, k and v per head; the state of a linear mixer is `H x K x K`.
         conv_size: kernel width of the short convolution on q, k and v.
@@ -87,8 +92,8 @@ class MixerConfig:
     kernel_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"MixerConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind not in KINDS + EXTRA_KINDS:
+            raise ValueError(f"MixerConfig.kind must be one of {KINDS + EXTRA_KINDS}, got {self.kind!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"MixerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.kernel_dtype not in KERNEL_DTYPES:
@@ -128,7 +133,10 @@ class TokenMixer(nn.Module):
         self.conv = ShortConv(3 * H * K, config.conv_size)
         if config.kind in DELTA_RULE_KINDS:
             self.b_proj = nn.Linear(d_model, H, bias=False)
-        if config.kind == "gated_deltanet":  # one decay per head: g = -exp(A_log) softplus(W_f x + dt_bias)
+        if config.kind in (
+            "gated_deltanet",
+            "decay_only",
+        ):  # one decay per head: -exp(A_log) softplus(W_f x + dt_bias)
             self.f_proj = nn.Linear(d_model, H, bias=False)
             self.A_log, self.dt_bias = nn.Parameter(torch.empty(H)), nn.Parameter(torch.empty(H))
         if config.kind == "kda":  # one decay per head and key channel, through a low-rank projection
@@ -167,6 +175,9 @@ class TokenMixer(nn.Module):
         else:
             if cfg.kind == "linear_attention":
                 o, _ = linear_attention_chunked(q, k, v, chunk_size=C)
+            elif cfg.kind == "decay_only":
+                g = kda_gate(self.f_proj(x), self.A_log, self.dt_bias)  # [B, T, H]
+                o, _ = decayed_linear_attention_chunked(q, k, v, g, chunk_size=C)
             else:
                 beta = beta_sigmoid(self.b_proj(x))
                 if cfg.kind == "deltanet":

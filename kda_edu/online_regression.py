@@ -11,8 +11,9 @@ at every token, takes one gradient step on that token's regression loss:
 - `state_norms`: run `kda_edu.delta_rule.delta_rule_recurrent` and record the size of its state at every step
   (chapter 3 uses it to show that keys must have unit length).
 - `delta_writer`: the delta rule with any write strength, as a write rule for `kda_edu.memory.retrieval_error`.
-- `overwrite_errors`: write one key again and again with fresh values, and measure how well linear attention
-  and the delta rule return the latest one.
+- `overwrite_stream`, `overwrite_errors`: write one key again and again with fresh values, and measure how well
+  linear attention and the delta rule return the latest one, with `relative_squared_error`, the metric of
+  `kda_edu.memory.retrieval_error`.
 """
 
 import torch
@@ -107,37 +108,19 @@ def delta_writer(beta: float):
     return write
 
 
-def overwrite_errors(
-    beta: float,
-    n_rewrites: int,
-    fillers: int,
-    dim: int,
-    batch: int = 32,
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-) -> dict[str, torch.Tensor]:
-    """Rewrite one key with a fresh value `n_rewrites` times and measure how well each model returns the latest.
+def overwrite_stream(
+    n_rewrites: int, fillers: int, dim: int, batch: int = 32, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rewrite stream of `overwrite_errors`: `n_rewrites` blocks of one rewrite of `k*` and `fillers` pairs.
 
-    The stream is `n_rewrites` blocks; a block writes the key `k*` with a new random value, then `fillers`
-    pairs with random keys. At the end of every block the key `k*` is read (a query equal to `k*`, scale 1)
-    and compared with the value of the block's rewrite. Keys are unit vectors in `dim` dimensions; values are
-    random with entries of variance `1 / dim`, so `|v| ~ 1`.
-
-    Args:
-        beta: the delta rule's write strength, in [0, 1] (linear attention has none).
-        n_rewrites: number of blocks, >= 1.
-        fillers: random pairs written after each rewrite, >= 0.
-        dim: key and value dimension.
-        batch: independent streams averaged over.
-        seed: seed of the random streams.
-        device: where to run.
+    Keys are unit vectors in `dim` dimensions; values are random with entries of variance `1 / dim`, so
+    `|v| ~ 1`.
 
     Returns:
-        `{"linear attention": err, "delta rule": err}`, each `[n_rewrites]`: the mean relative error
-        `|S^T k* - v_latest| / |v_latest|` at the end of block 1, 2, ..., n_rewrites.
+        `(q, k, v, latest)`, float32 on the CPU: the query `k*` at every step `[batch, T, 1, dim]`, the keys and
+        values written `[batch, T, 1, dim]`, and the value `k*` should return at each step `[batch, T, 1, dim]`,
+        with T = `n_rewrites * (1 + fillers)`.
     """
-    if not 0 <= beta <= 1:
-        raise ValueError(f"beta must lie in [0, 1], got {beta}")
     if n_rewrites < 1 or fillers < 0:
         raise ValueError(f"need n_rewrites >= 1 and fillers >= 0, got {n_rewrites} and {fillers}")
     gen = torch.Generator().manual_seed(seed)
@@ -149,16 +132,57 @@ def overwrite_errors(
     k[:, rewrite] = k[:, :1]  # the same key k* at every rewrite
     q = k[:, :1].expand(batch, T, 1, dim)  # read k* at every step
     latest = v[:, rewrite].repeat_interleave(block, dim=1)  # the value k* should return at each step
-    k, v, q, latest = (x.to(device) for x in (k, v, q, latest))
+    return q, k, v, latest
 
+
+def relative_squared_error(read: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`sum |read - target|^2 / sum |target|^2`, sums over dims 0, 2 and 3 of `[B, T, H, V]`: float64 `[T]`.
+
+    The one error metric of chapters 2 and 3 (and of `kda_edu.memory.retrieval_error`): answering zero scores 1.
+    """
+    miss = (read - target).pow(2).sum(dim=(0, 2, 3), dtype=torch.float64)
+    return miss / target.pow(2).sum(dim=(0, 2, 3), dtype=torch.float64)
+
+
+def overwrite_errors(
+    beta: float,
+    n_rewrites: int,
+    fillers: int,
+    dim: int,
+    batch: int = 32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Rewrite one key with a fresh value `n_rewrites` times and measure how well each model returns the latest.
+
+    The stream (`overwrite_stream`) is `n_rewrites` blocks; a block writes the key `k*` with a new random
+    value, then `fillers` pairs with random keys. At the end of every block the key `k*` is read (a query
+    equal to `k*`, scale 1) and compared with the value of the block's rewrite.
+
+    Args:
+        beta: the delta rule's write strength, in [0, 1] (linear attention has none).
+        n_rewrites: number of blocks, >= 1.
+        fillers: random pairs written after each rewrite, >= 0.
+        dim: key and value dimension.
+        batch: independent streams pooled over.
+        seed: seed of the random streams.
+        device: where to run.
+
+    Returns:
+        `{"linear attention": err, "delta rule": err}`, each `[n_rewrites]` in float64: at the end of block
+        1, 2, ..., n_rewrites, the relative squared error `sum |S^T k* - v_latest|^2 / sum |v_latest|^2`, sums
+        over the `batch` streams (`relative_squared_error`; answering zero scores 1).
+    """
+    if not 0 <= beta <= 1:
+        raise ValueError(f"beta must lie in [0, 1], got {beta}")
+    q, k, v, latest = (x.to(device) for x in overwrite_stream(n_rewrites, fillers, dim, batch, seed))
+    T = q.shape[1]
     o_linear, _ = linear_attention_chunked(q, k, v, scale=1.0)
     o_delta, _ = delta_rule_chunked(q, k, v, torch.full((batch, T, 1), float(beta), device=device), scale=1.0)
-
-    end_of_block = torch.arange(T, device=device) % block == block - 1
+    end_of_block = torch.arange(T) % (1 + fillers) == fillers
 
     def error(o):
-        rel = (o - latest).norm(dim=-1) / latest.norm(dim=-1)  # [batch, T, 1]
-        return rel[:, end_of_block, 0].mean(dim=0).cpu()
+        return relative_squared_error(o, latest).cpu()[end_of_block]
 
     return {"linear attention": error(o_linear), "delta rule": error(o_delta)}
 

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import torch
+import torch.nn.functional as F
 
+from kda_edu.gated_delta import gated_delta_recurrent
 from kda_edu.gates import kda_gate, kda_gate_lower_bound
 from kda_edu.kda import kda_recurrent
+from kda_edu.recurrence import general_recurrence
 
 
 @dataclass
@@ -212,3 +215,143 @@ def plot_channel_retention(ax, g: torch.Tensor, steps: int = 1000, legend: bool 
     ax.set_ylim(-0.02, 1.02)
     if legend:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+
+
+def rotate_keys(task: TwoTimescaleTask, seed: int = 1) -> TwoTimescaleTask:
+    """The same episodes with every key and query multiplied by one random orthogonal matrix `R` `[K, K]`.
+
+    Overlaps between keys and queries do not change, so a memory whose decay is the same on every channel
+    (Gated DeltaNet with one head) gives the same errors; a per-channel decay now sees each half of the task
+    spread over all channels. This is the control for "per-channel decay helps": the help should survive only
+    if the channels that decay differently can be aligned with what must be kept for different times.
+    """
+    K = task.k.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    R = torch.linalg.qr(torch.randn(K, K, generator=gen, dtype=torch.float64))[0].to(task.k)
+    return TwoTimescaleTask(task.k @ R.T, task.v, task.queries @ R.T, task.targets, task.n_facts, task.half)
+
+
+def gdn_heads_errors(task: TwoTimescaleTask, head_gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet with H heads and KDA's state size, scored like `retrieval_errors`.
+
+    The K key channels are cut into H blocks of K / H; head h sees block h of every key and query, L2-normalised
+    as a Gated DeltaNet head normalises its own key (a zero block stays zero and writes nothing), keeps a
+    `[K / H, V]` state with its own constant decay, and the read-out is the sum of the heads' reads. H heads of
+    `[K / H, V]` hold exactly as many numbers as one `[K, V]` state.
+
+    Args:
+        task: the episodes; each key and query must lie inside one block (true for `make_task`'s halves when
+            H divides 2), otherwise the per-head normalisation counts a key more than once.
+        head_gates: log decays `[G, H]`; row i is one model.
+
+    Returns:
+        `(fact_error, recent_error)`, each `[G]`.
+    """
+    B, T, _, K = task.k.shape
+    G, H = head_gates.shape
+    if K % H:
+        raise ValueError(f"head_gates must have a number of heads H dividing K = {K}, got H = {H}")
+    Q, V = task.queries.shape[1], task.v.shape[-1]
+    k = F.normalize(task.k.reshape(B, T, H, K // H), dim=-1)
+    q = F.normalize(task.queries.reshape(B, Q, H, K // H), dim=-1)
+    v = task.v.expand(B, T, H * G, V)  # value head h * G + i reads key head h
+    g = head_gates.to(task.k).T.reshape(H * G)[None, None].expand(B, T, H * G)
+    beta = task.k.new_ones(B, T, H * G)
+    _, S = gated_delta_recurrent(k, k, v, g, beta, scale=1.0, output_final_state=True)
+    read = torch.einsum("bqhk,bhgkv->bgqv", q, S.reshape(B, H, G, K // H, V))
+    err = (read - task.targets[:, None]).pow(2).sum(-1)  # [B, G, Q]
+    return err[..., : task.n_facts].mean((0, 2)), err[..., task.n_facts :].mean((0, 2))
+
+
+class LearnedMemory(torch.nn.Module):
+    """The smallest trained version of the task's memory: learned keys and learned constant decays.
+
+    The episodes arrive in a rotated basis (`rotate_keys`), so no channel is a half of the task any more. The
+    model maps every key and query through one learned matrix `W` `[K, K]` (started at a random rotation), cuts
+    the result into `heads` blocks, L2-normalises each block, and runs the delta rule (beta = 1) with learned
+    constant log decays `-softplus(theta)`: one per head for Gated DeltaNet, one per key channel for KDA
+    (`per_channel=True`, one head). The read-out is a learned weighted sum of the heads' reads. Every variant
+    keeps `K x V` numbers of state.
+    """
+
+    def __init__(self, K: int, heads: int, per_channel: bool, seed: int):
+        super().__init__()
+        if per_channel and heads != 1:
+            raise ValueError(f"per_channel decay is KDA: heads must be 1, got {heads}")
+        if K % heads:
+            raise ValueError(f"heads must divide K = {K}, got {heads}")
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.per_channel = heads, per_channel
+        self.W = torch.nn.Parameter(torch.linalg.qr(torch.randn(K, K, generator=gen))[0])
+        self.theta = torch.nn.Parameter(torch.full((K if per_channel else heads,), -6.0))  # g about -0.0025
+        self.out = torch.nn.Parameter(torch.ones(heads))
+
+    def gates(self) -> torch.Tensor:
+        """The log decays: `[K]` (per channel) or `[heads]`."""
+        return -F.softplus(self.theta)
+
+    def errors(self, task: TwoTimescaleTask) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(fact_error, recent_error)`, two scalars, scored like `retrieval_errors`."""
+        B, T, _, K = task.k.shape
+        H, Q = self.heads, task.queries.shape[1]
+        k = F.normalize((task.k[:, :, 0] @ self.W.T).reshape(B, T, H, K // H), dim=-1)
+        q = F.normalize((task.queries @ self.W.T).reshape(B, Q, H, K // H), dim=-1)
+        g = self.gates()
+        g = g.reshape(1, 1, 1, K) if self.per_channel else g.reshape(1, 1, H, 1)
+        v = task.v.expand(B, T, H, task.v.shape[-1])
+        _, S = general_recurrence(
+            k,
+            k,
+            v,
+            g.expand(B, T, H, g.shape[-1]),
+            k.new_ones(B, T, H),
+            delta_rule=True,
+            scale=1.0,
+            output_final_state=True,
+        )
+        read = torch.einsum("bqhk,bhkv,h->bqv", q, S, self.out)
+        err = (read - task.targets).pow(2).sum(-1)  # [B, Q]
+        return err[:, : task.n_facts].mean(), err[:, task.n_facts :].mean()
+
+
+def train_learned_memory(
+    heads: int,
+    per_channel: bool,
+    seed: int,
+    steps: int = 150,
+    lr: float = 0.05,
+    task_kwargs: dict | None = None,
+    rotation_seed: int = 1,
+) -> dict:
+    """Train a `LearnedMemory` with Adam on fresh rotated episodes and score it on held-out ones.
+
+    Args:
+        heads, per_channel: the model (see `LearnedMemory`).
+        seed: seed of the model's start and of the training episodes.
+        steps: Adam steps, one fresh batch of episodes each.
+        lr: Adam's learning rate.
+        task_kwargs: arguments of `make_task` (besides `seed`); the chapter's CPU task when None.
+        rotation_seed: the rotation of the key basis (`rotate_keys`), fixed for training and evaluation.
+
+    Returns:
+        A dict with the held-out `fact`, `recent` and `mean` errors (floats), the learned `gates` (list) and the
+        training curve `loss` (list, the mean error of each step's batch).
+    """
+    kw = dict(batch=32, half=8, value_dim=8, n_facts=4, n_stream=124, recent=2, noise=0.5)
+    kw.update(task_kwargs or {})
+    torch.manual_seed(seed)
+    model = LearnedMemory(2 * kw["half"], heads, per_channel, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    curve = []
+    for step in range(steps):
+        task = rotate_keys(make_task(**kw, seed=1_000_000 * (seed + 1) + step), rotation_seed)
+        fact, recent = model.errors(task)
+        loss = (fact + recent) / 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    with torch.no_grad():
+        held_out = rotate_keys(make_task(**{**kw, "batch": 4 * kw["batch"]}, seed=999), rotation_seed)
+        fact, recent = (e.item() for e in model.errors(held_out))
+    return dict(fact=fact, recent=recent, mean=(fact + recent) / 2, gates=model.gates().tolist(), loss=curve)

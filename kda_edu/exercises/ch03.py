@@ -92,8 +92,10 @@ def check_max_stable_beta(max_beta) -> str:
 def solution_weight_decay_step(S, k, v, beta, lam):
     """One gradient step on `1/2 |S^T k - v|^2 + lam/2 |S|_F^2`: the delta-rule step, minus `beta lam S`.
 
-    The gradient of `lam/2 |S|_F^2` is `lam S`, so the step is `(1 - beta lam) S - beta k (S^T k - v)^T`:
-    the memory shrinks by the factor `1 - beta lam` at every token, a forgetting gate.
+    The gradient of `lam/2 |S|_F^2` is `lam S`, so the step is `((1 - beta lam) I - beta k k^T) S + beta k v^T`:
+    the memory shrinks by `1 - beta lam` at every token, beside the erase. That is not Gated DeltaNet's step
+    `a (I - beta k k^T) S + beta k v^T`, whose decay also scales the erase term: the two differ by
+    `(1 - a) beta k k^T S`.
     """
     return gradient_step(S, k, v, beta) - beta * lam * S
 
@@ -122,4 +124,7 @@ def check_weight_decay_step(step) -> str:
             f"for beta = {beta}, lam = {lam} your step is off by up to {(got - expected).abs().max():.3g}. "
             "Hint: what is the gradient of lam/2 |S|_F^2 = lam/2 sum_ij S_ij^2 with respect to S?",
         )
-    return passed("Weight decay multiplies the memory by (1 - beta lam) every step: a forgetting gate.")
+    return passed(
+        "Weight decay gives ((1 - beta lam) I - beta k k^T) S + beta k v^T: a shrink by 1 - beta lam beside the "
+        "erase. Gated DeltaNet (chapter 4) decays first, a (I - beta k k^T) S, so its decay also scales the erase."
+    )

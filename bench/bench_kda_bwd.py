@@ -59,10 +59,12 @@ def _fla(x):
 
 
 METHODS = {
-    "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])[0],
+    "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[
+        0
+    ],
     # The same kernels, with the forward's intermediates kept for the backward instead of recomputed there.
     "kda_edu chunk_kda kept": lambda x: chunk_kda(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], keep_intermediates=True
+        x["q"], x["k"], x["v"], x["g"], x["beta"], keep_intermediates=True, check_inputs=False
     )[0],
     "fla chunk_kda": _fla,
 }
@@ -158,7 +160,8 @@ def main():
                 t.grad = None
         with torch.no_grad():
             row["kda_edu chunk_kda fwd ms"] = do_bench(
-                lambda x=x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"]), return_mode="median"
+                lambda x=x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False),
+                return_mode="median",
             )
         if (B, T, H) == TIMED[0]:
             row["kda_edu kernels us"] = kernel_times(x, do)

@@ -74,7 +74,9 @@ def measure(tokens: int, n: int, H: int, D: int, dtype) -> dict:
     h0 = torch.randn(1, H, D, D, device=DEVICE)
     row = {"n": n, "T": T}
     with torch.no_grad():
-        row["shard_fwd_ms"] = bench(lambda: chunk_kda(*inputs, initial_state=h0, output_final_state=True))
+        row["shard_fwd_ms"] = bench(
+            lambda: chunk_kda(*inputs, initial_state=h0, output_final_state=True, check_inputs=False)
+        )
         if n > 1:
             layout = shard_layout([T] * 3, 1, 1, None)  # a middle rank: it receives and sends a state
             scale = D**-0.5

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call that produces the H200 reports of the whole book, then the short benchmarks the chapters
+# read, all of this build. Run from the repository root on the GPU machine, carrying .whl:
+#
+#   bash bench/device/book_run.sh            (writes to $OUT; about 9 minutes)
+#
+# 1. tools/gpu_test.sh: the unit suite and every chapter under nbval (default dtype), side by side;
+#    beside them, the chapters that read kda_edu.device.DTYPE again with KDA_EDU_DTYPE=float16 (a T4's
+#    choice) and float32.
+# 2. On the then quiet GPU: bench/tf32_precision.py (chapter 7) and bench/cp_shard_costs.py (chapter 15).
+# What comes back (at most 8 files): the JUnit reports, the two benchmark JSONs and logs.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source bench/device/env.sh
+export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests:$PYTHONPATH"
+OUT=${OUT:?set OUT}
+logs=$(mktemp -d)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$logs/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$logs/gpu.txt"
+git log -1 --format='build %H %s' >>"$logs/gpu.txt" 2>/dev/null || true
+
+dtype_chapters=$(grep -l "DTYPE" book/[0-9][0-9]_*.md | sed 's/\.md$/.ipynb/')
+for dt in float16 float32; do
+  KDA_EDU_DTYPE=$dt timeout "${FORCED_SECONDS:-420}" python3 -m pytest -q -n 2 --dist loadfile -p no:cacheprovider \
+    --nbval-lax --nbval-current-env --nbval-cell-timeout=400 --nbval-kernel-startup-timeout=300 \
+    --junitxml="$OUT/notebooks_$dt.xml" $dtype_chapters >"$logs/notebooks_$dt.log" 2>&1 &
+done
+GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-10} GPU_TEST_SECONDS=${GPU_TEST_SECONDS:-450} \
+  bash tools/gpu_test.sh "$logs/h200_tests" >"$logs/gpu_test.log" 2>&1
+echo "gpu_test: exit $?" >>"$logs/gpu.txt"
+wait
+cp "$logs/h200_tests/unit.xml" "$logs/h200_tests/notebooks.xml" "$OUT/" 2>/dev/null
+
+timeout 60 python3 bench/tf32_precision.py --out "$OUT/h200_tf32.json" >"$logs/tf32.log" 2>&1
+timeout "${CP_SECONDS:-90}" python3 bench/cp_shard_costs.py --max-seconds "${CP_ROWS_SECONDS:-50}" \
+  --out "$OUT/h200_cp_shard_costs.json" >"$logs/cp.log" 2>&1
+tar -czf "$OUT/logs.tar.gz" -C "$logs" .
+cat "$logs/gpu.txt"
+tail -n 2 "$logs/h200_tests/unit.log" "$logs/h200_tests/notebooks.log" "$logs"/notebooks_float*.log

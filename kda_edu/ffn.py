@@ -131,7 +131,9 @@ class MoE(nn.Module):
         self.top_k = config.top_k
         expert_dim = d_model if expert_dim is None else expert_dim
         self.router = nn.Linear(d_model, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(expert_dim, config.expert_hidden) for _ in range(config.num_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(expert_dim, config.expert_hidden) for _ in range(config.num_experts)
+        )
         shared = config.num_shared * config.expert_hidden
         self.shared_expert = SwiGLU(d_model, shared) if shared > 0 else None
         self.register_buffer("route_bias", torch.zeros(config.num_experts))
@@ -153,7 +155,9 @@ class MoE(nn.Module):
         weights = chosen / chosen.sum(dim=-1, keepdim=True)
         if self.training:
             with torch.no_grad():
-                self.load += torch.bincount(experts.flatten(), minlength=self.load.numel()).to(self.load.dtype)
+                self.load += torch.bincount(experts.flatten(), minlength=self.load.numel()).to(
+                    self.load.dtype
+                )
         return weights.to(x.dtype), experts
 
     def combine(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -247,7 +251,11 @@ def ffn_parameters(d_model: int, config: FFNConfig) -> dict[str, int]:
     if config.num_experts == 0:
         return {"dense": 3 * D * config.hidden}
     E, h, d_e = config.num_experts, config.expert_hidden, config.latent_dim or D
-    parts = {"router": D * E, "routed experts": 3 * E * d_e * h, "shared experts": 3 * D * config.num_shared * h}
+    parts = {
+        "router": D * E,
+        "routed experts": 3 * E * d_e * h,
+        "shared experts": 3 * D * config.num_shared * h,
+    }
     if config.latent_dim is not None:
         parts["latent projections"] = 2 * D * config.latent_dim
     return parts

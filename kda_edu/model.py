@@ -202,7 +202,9 @@ class HybridLM(nn.Module):
         )
         # One pseudo-query per sublayer and one for the output head, when the residuals attend over depth.
         self.depth = (
-            nn.ModuleList(DepthAttention(config.d_model, config.norm_eps) for _ in range(2 * config.n_layers + 1))
+            nn.ModuleList(
+                DepthAttention(config.d_model, config.norm_eps) for _ in range(2 * config.n_layers + 1)
+            )
             if config.attn_residuals != "none"
             else None
         )
@@ -231,7 +233,9 @@ class HybridLM(nn.Module):
             ffn = block.ffn
             writers = [ffn.down_proj] if isinstance(ffn, SwiGLU) else []
             if isinstance(ffn, MoE):
-                writers = [ffn.latent_up] if isinstance(ffn, LatentMoE) else [e.down_proj for e in ffn.experts]
+                writers = (
+                    [ffn.latent_up] if isinstance(ffn, LatentMoE) else [e.down_proj for e in ffn.experts]
+                )
                 if ffn.shared_expert is not None:
                     writers.append(ffn.shared_expert.down_proj)
             for linear in writers:
@@ -277,7 +281,9 @@ class HybridLM(nn.Module):
             x = block(x, cache=None if cache is None else cache.layers[i])
         return self.lm_head(self.norm(x))
 
-    def depth_residuals(self, x: torch.Tensor, cache: HybridCache | None = None) -> tuple[torch.Tensor, DepthStream]:
+    def depth_residuals(
+        self, x: torch.Tensor, cache: HybridCache | None = None
+    ) -> tuple[torch.Tensor, DepthStream]:
         """The blocks with attention residuals: embeddings x `[B, T, D]` -> (the output head's input `[B, T, D]`,
         the `DepthStream` of the pass, which records the sources it kept). Every sublayer reads the softmax
         mixture of the sources its pseudo-query asks for, and its output joins the sources."""

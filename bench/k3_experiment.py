@@ -4,8 +4,11 @@ active parameters, on associative recall (MQAR) and on real text (byte-level Pyt
 Every variant of `kda_edu.k3.K3_VARIANTS` is trained from the same seeds, with the same data and steps, on
 both tasks; the JSON keeps every run (held-out loss and accuracy, parameters total and active, seconds).
 
-    nice python bench/k3_experiment.py --task mqar           # the committed CPU runs (about 15 CPU-minutes
-    nice python bench/k3_experiment.py --task text           # together, one thread each)
+    nice python bench/k3_experiment.py --task mqar --part 1/2   # the committed CPU runs: four processes
+    nice python bench/k3_experiment.py --task mqar --part 2/2   # (about 15 CPU-minutes together, one thread
+    nice python bench/k3_experiment.py --task text --part 1/2   # each), then
+    nice python bench/k3_experiment.py --task text --part 2/2
+    python bench/k3_experiment.py --merge                       # -> bench/results/k3_cpu_{mqar,text}.json
     python bench/k3_experiment.py --quick                    # a smoke run
     python bench/k3_experiment.py --gpu --out $OUT/k3_gpu.json   # larger models on one GPU (under 3 minutes)
 """
@@ -33,7 +36,7 @@ SIZES = {
         "pattern": "KA",
         "seeds": [0, 1, 2],
         "mqar": {"steps": 250, "batch": 32, "seq_len": 32, "num_pairs": 4, "num_keys": 16, "num_values": 16},
-        "text": {"steps": 200, "batch": 16, "seq_len": 64},
+        "text": {"steps": 150, "batch": 16, "seq_len": 64},
     },
     "quick": {
         "d_model": 32,
@@ -48,8 +51,8 @@ SIZES = {
         "n_layers": 4,
         "pattern": "KKKA",
         "seeds": [0, 1, 2],
-        "mqar": {"steps": 300, "batch": 64, "seq_len": 64, "num_pairs": 8, "num_keys": 32, "num_values": 32},
-        "text": {"steps": 300, "batch": 32, "seq_len": 128},
+        "mqar": {"steps": 150, "batch": 64, "seq_len": 64, "num_pairs": 8, "num_keys": 32, "num_values": 32},
+        "text": {"steps": 150, "batch": 32, "seq_len": 128},
     },
 }
 
@@ -75,15 +78,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--task", choices=["mqar", "text", "all"], default="all")
+    parser.add_argument("--part", default="1/1", help="i/n: run the i-th of n equal shares of the variants")
+    parser.add_argument(
+        "--merge", action="store_true", help="join the parts of the CPU runs, one file per task"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.merge:
+        merge()
+        return
+    part, parts = (int(x) for x in args.part.split("/"))
+    variants = [v for i, v in enumerate(K3_VARIANTS) if i * parts // len(K3_VARIANTS) == part - 1]
     mode = "gpu" if args.gpu else "quick" if args.quick else "cpu"
     size = SIZES[mode]
     device = torch.device("cuda" if args.gpu else "cpu")
     if not args.gpu:
         torch.set_num_threads(1)  # tiny matrices: one thread is as fast, and leaves the other cores alone
-    torch.set_default_device(device)
-    suffix = "" if args.task == "all" else f"_{args.task}"
+    suffix = ("" if args.task == "all" else f"_{args.task}") + ("" if parts == 1 else f"_part{part}")
     out = Path(args.out or f"bench/results/k3_{mode}{suffix}.json")
 
     text = TextTask(stdlib_bytes(2_000_000), seq_len=size["text"]["seq_len"])
@@ -98,16 +109,24 @@ def main() -> None:
     start, cpu_start = time.perf_counter(), time.process_time()
     for task_name, (task, held, t) in tasks.items():
         base = base_config(task.vocab_size, size["d_model"], size["n_layers"], size["pattern"])
-        for variant in K3_VARIANTS:
+        for variant in variants:
             config = variant_config(variant, base)
             for seed in size["seeds"]:
-                r = train_hybrid(config, task, t["steps"], seed, batch_size=t["batch"], eval_batch=held)
+                r = train_hybrid(
+                    config, task, t["steps"], seed, batch_size=t["batch"], eval_batch=held, device=device
+                )
                 runs.append({"task": task_name, "variant": variant, "seed": seed, **r})
                 print(
                     f"{task_name:12s} {variant:20s} seed {seed}: eval loss {r['eval_loss']:.4f} "
                     f"acc {r['eval_acc']:.3f} active {r['parameters']['active']} ({r['seconds']:.1f} s)",
                     flush=True,
                 )
+                write(out, mode, size, start, cpu_start, device, runs)
+    print(f"wrote {out}: {len(runs)} runs, {time.perf_counter() - start:.0f} s")
+
+
+def write(out: Path, mode: str, size: dict, start: float, cpu_start: float, device, runs: list) -> None:
+    """Write the runs so far (after every run, so an interrupted sweep keeps what it finished)."""
     result = {
         "mode": mode,
         "sizes": size,
@@ -123,7 +142,25 @@ def main() -> None:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} ({result['total_seconds']:.0f} s)")
+
+
+def merge() -> None:
+    """Join `k3_cpu_{task}_part*.json` into `k3_cpu_{task}.json` (runs concatenated, CPU seconds summed) and
+    remove the parts."""
+    results = Path("bench/results")
+    for task in ("mqar", "text"):
+        parts = sorted(results.glob(f"k3_cpu_{task}_part*.json"))
+        if not parts:
+            continue
+        loaded = [json.loads(p.read_text()) for p in parts]
+        merged = {**loaded[0], "runs": [run for r in loaded for run in r["runs"]]}
+        merged["cpu_seconds"] = sum(r["cpu_seconds"] for r in loaded)
+        merged["total_seconds"] = max(r["total_seconds"] for r in loaded)
+        merged["parts"] = len(loaded)
+        (results / f"k3_cpu_{task}.json").write_text(json.dumps(merged, indent=1))
+        for p in parts:
+            p.unlink()
+        print(f"merged {len(parts)} parts into bench/results/k3_cpu_{task}.json ({len(merged['runs'])} runs)")
 
 
 if __name__ == "__main__":

@@ -221,11 +221,12 @@ def train_hybrid(
     lr: float = 3e-3,
     bias_rate: float = 1e-3,
     eval_batch: TaskBatch | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """Train `HybridLM(config)` (initialised from `seed`) on `task.sample(batch_size, seed-dependent)` with
     AdamW (`kda_edu.train`'s optimiser and warm-up/cosine schedule), update the routing bias of every MoE by
     `bias_rate` after each step, and evaluate on `eval_batch` (default `task.sample(64, ...)` with a seed no
-    training step uses).
+    training step uses). The model and the batches live on `device`; the data are drawn on the CPU.
 
     Returns:
         `{"eval_loss", "eval_acc", "train_loss" (mean of the last 10 steps), "parameters", "seconds"}`.
@@ -234,7 +235,7 @@ def train_hybrid(
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = HybridLM(config)
+        model = HybridLM(config).to(device)
     train_cfg = TrainConfig(
         steps=steps, batch_size=batch_size, lr=lr, warmup=max(1, steps // 10), weight_decay=0.1
     )
@@ -245,7 +246,7 @@ def train_hybrid(
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, train_cfg)
-        batch = task.sample(batch_size, 1_000_003 * (seed + 1) + step)
+        batch = task.sample(batch_size, 1_000_003 * (seed + 1) + step).to(device)
         loss, _ = masked_loss_and_accuracy(model(batch.inputs), batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -254,7 +255,7 @@ def train_hybrid(
         model.update_routing_bias(bias_rate)
         losses.append(loss.item())
     seconds = time.perf_counter() - start
-    eval_batch = task.sample(64, 999_999_937) if eval_batch is None else eval_batch
+    eval_batch = (task.sample(64, 999_999_937) if eval_batch is None else eval_batch).to(device)
     model.eval()
     with torch.no_grad():
         eval_loss, eval_acc = masked_loss_and_accuracy(model(eval_batch.inputs), eval_batch)

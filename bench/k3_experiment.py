@@ -10,7 +10,7 @@ both tasks; the JSON keeps every run (held-out loss and accuracy, parameters tot
     nice python bench/k3_experiment.py --task text --part 2/2
     python bench/k3_experiment.py --merge                       # -> bench/results/k3_cpu_{mqar,text}.json
     python bench/k3_experiment.py --quick                    # a smoke run
-    python bench/k3_experiment.py --gpu --out $OUT/k3_gpu.json   # larger models on one GPU (under 3 minutes)
+    python bench/k3_experiment.py --gpu --budget-s 150 --out $OUT/k3_gpu.json   # larger models, one GPU
 """
 
 import argparse
@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="join the parts of the CPU runs, one file per task"
     )
+    parser.add_argument(
+        "--budget-s", type=float, default=0.0, help="start no new run after this many seconds"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.merge:
@@ -107,21 +110,26 @@ def main() -> None:
         tasks = {name: spec for name, spec in tasks.items() if name.endswith(args.task)}
     runs = []
     start, cpu_start = time.perf_counter(), time.process_time()
-    for task_name, (task, held, t) in tasks.items():
-        base = base_config(task.vocab_size, size["d_model"], size["n_layers"], size["pattern"])
-        for variant in variants:
-            config = variant_config(variant, base)
-            for seed in size["seeds"]:
-                r = train_hybrid(
-                    config, task, t["steps"], seed, batch_size=t["batch"], eval_batch=held, device=device
-                )
-                runs.append({"task": task_name, "variant": variant, "seed": seed, **r})
-                print(
-                    f"{task_name:12s} {variant:20s} seed {seed}: eval loss {r['eval_loss']:.4f} "
-                    f"acc {r['eval_acc']:.3f} active {r['parameters']['active']} ({r['seconds']:.1f} s)",
-                    flush=True,
-                )
-                write(out, mode, size, start, cpu_start, device, runs)
+    # Seeds outermost, so a run stopped by --budget-s still has every variant of every task for its seeds.
+    jobs = [(seed, name, variant) for seed in size["seeds"] for name in tasks for variant in variants]
+    for seed, task_name, variant in jobs:
+        if args.budget_s and time.perf_counter() - start > args.budget_s:
+            print(f"stopping: {args.budget_s} s budget spent after {len(runs)} of {len(jobs)} runs")
+            break
+        task, held, t = tasks[task_name]
+        config = variant_config(
+            variant, base_config(task.vocab_size, size["d_model"], size["n_layers"], size["pattern"])
+        )
+        r = train_hybrid(
+            config, task, t["steps"], seed, batch_size=t["batch"], eval_batch=held, device=device
+        )
+        runs.append({"task": task_name, "variant": variant, "seed": seed, **r})
+        print(
+            f"{task_name:12s} {variant:20s} seed {seed}: eval loss {r['eval_loss']:.4f} "
+            f"acc {r['eval_acc']:.3f} active {r['parameters']['active']} ({r['seconds']:.1f} s)",
+            flush=True,
+        )
+        write(out, mode, size, start, cpu_start, device, runs)
     print(f"wrote {out}: {len(runs)} runs, {time.perf_counter() - start:.0f} s")
 
 

@@ -22,7 +22,11 @@ def _mix_without_norm(sources, query):
 CASES = [
     (ch14.check_moe_counts, ch14.solution_moe_counts, _counts_at_model_width),
     (ch14.check_depth_mix, ch14.solution_depth_mix, _mix_without_norm),
-    (ch14.check_bias_update, ch14.solution_bias_update, lambda bias, load, rate: bias - rate * (load - load.mean())),
+    (
+        ch14.check_bias_update,
+        ch14.solution_bias_update,
+        lambda bias, load, rate: bias - rate * (load - load.mean()),
+    ),
 ]
 
 

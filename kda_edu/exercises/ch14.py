@@ -59,7 +59,9 @@ def check_moe_counts(fn) -> str:
             f"token; you said {tuple(got)}. Hint: the router and the shared experts are always active, and a "
             "latent MoE's experts read the latent width, not D.",
         )
-    return passed("At K3's shape the routed experts are 98% of the parameters and 16 / 896 of them are active.")
+    return passed(
+        "At K3's shape the routed experts are 98% of the parameters and 16 / 896 of them are active."
+    )
 
 
 # Exercise 2: the softmax over depth.
@@ -94,7 +96,9 @@ def check_depth_mix(fn) -> str:
             f"{(got.double() - want).abs().max().item():.3g}. Hint: the keys are the RMS-normalised sources, the "
             "values the sources themselves, and the softmax runs over the sources (depth), not over channels.",
         )
-    return passed("A zero query would give the mean of the sources: the ordinary residual after the next norm.")
+    return passed(
+        "A zero query would give the mean of the sources: the ordinary residual after the next norm."
+    )
 
 
 # Exercise 3: the auxiliary-loss-free bias update.

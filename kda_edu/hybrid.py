@@ -10,7 +10,7 @@
 
 import torch
 
-from kda_edu.ffn import FFNConfig
+from kda_edu.ffn import ffn_parameters
 from kda_edu.layer_parts import kda_layer_parameters
 from kda_edu.mla import MLAConfig
 from kda_edu.model import HybridConfig
@@ -32,25 +32,24 @@ def mla_parameters(d_model: int, config: MLAConfig) -> dict[str, int]:
     return parts
 
 
-def _ffn_parameters(d_model: int, config: FFNConfig) -> int:
-    if config.num_experts == 0:
-        return 3 * d_model * config.hidden
-    experts = (config.num_experts + 1) * 3 * d_model * config.expert_hidden  # routed + one shared
-    return experts + d_model * config.num_experts  # + the router
-
-
 def hybrid_parameters(config: HybridConfig) -> dict[str, int]:
     """Parameters of a `HybridLM` by part: embedding (and an untied output matrix), KDA mixers, MLA mixers,
-    feed-forward layers, RMSNorms (two per block and a final one)."""
+    feed-forward layers, RMSNorms (two per block and a final one), and the pseudo-queries of attention
+    residuals (one per sublayer and one for the output) when the config has them."""
     D, kinds = config.d_model, config.layer_kinds
     embedding = config.vocab_size * D * (1 if config.tie_embeddings else 2)
-    return {
+    dense = 3 * D * config.ffn.hidden
+    ffn = sum(ffn_parameters(D, config.ffn).values())
+    parts = {
         "embedding": embedding,
         "KDA mixers": kinds.count("K") * sum(kda_layer_parameters(D, config.kda).values()),
         "MLA mixers": kinds.count("A") * sum(mla_parameters(D, config.mla).values()),
-        "feed-forward": len(kinds) * _ffn_parameters(D, config.ffn),
+        "feed-forward": config.dense_layers * dense + (len(kinds) - config.dense_layers) * ffn,
         "norms": (2 * len(kinds) + 1) * D,
     }
+    if config.attn_residuals != "none":
+        parts["depth queries"] = (2 * len(kinds) + 1) * D
+    return parts
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

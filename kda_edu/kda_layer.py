@@ -11,6 +11,10 @@ output back into hidden states:
     o       = RMSNorm(o) * sigmoid(W_g2 W_g1 x + b_g)       per head, low-rank output gate
     y       = W_o o
 
+`KDAConfig.full_rank` replaces a low-rank gate projection by one full matrix: `"decay"` (`W_f x`, D x HV K),
+`"output"` (`W_g x + b_g`, D x HV V) or `"both"`. A low-rank product `W_2 W_1` of rank R can only express
+matrices of rank <= R; the full matrix can express any, at `D HV K` parameters instead of `R (D + HV K)`.
+
 `gate` is one of the two parametrisations of `kda_edu.gates` (`KDAConfig.gate`):
 `"softplus"`: `-exp(A_log) * softplus(. + dt_bias)`, or `"lower_bound"`:
 `lower_bound * sigmoid(exp(A_log) * (. + dt_bias))`.
@@ -48,6 +52,8 @@ class KDAConfig:
             (`lower_bound * sigmoid(exp(A_log) * (x + dt_bias))`).
         lower_bound: the most negative log decay per step for the `"lower_bound"` gate, < 0.
         gate_rank: inner width of the low-rank decay and output-gate projections; None means V.
+        full_rank: which gate projections are one full matrix instead of a low-rank pair: `"none"`,
+            `"decay"`, `"output"` or `"both"`.
         chunk_size: chunk length of the chunked form (prefill and training).
         norm_eps: epsilon of the per-head gated RMSNorm on the output.
     """
@@ -60,6 +66,7 @@ class KDAConfig:
     gate: str = "softplus"
     lower_bound: float = -5.0
     gate_rank: int | None = None
+    full_rank: str = "none"
     chunk_size: int = 64
     norm_eps: float = 1e-5
 
@@ -76,6 +83,10 @@ class KDAConfig:
             )
         if self.gate not in ("softplus", "lower_bound"):
             raise ValueError(f"KDAConfig.gate must be 'softplus' or 'lower_bound', got {self.gate!r}")
+        if self.full_rank not in ("none", "decay", "output", "both"):
+            raise ValueError(
+                f"KDAConfig.full_rank must be 'none', 'decay', 'output' or 'both', got {self.full_rank!r}"
+            )
         if not (math.isfinite(self.lower_bound) and self.lower_bound < 0):
             raise ValueError(f"KDAConfig.lower_bound must be finite and < 0, got {self.lower_bound}")
 
@@ -88,6 +99,16 @@ class KDAConfig:
     def v_dim(self) -> int:
         """V, the value width per head."""
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def full_rank_decay(self) -> bool:
+        """The decay gate's projection is one full matrix."""
+        return self.full_rank in ("decay", "both")
+
+    @property
+    def full_rank_output(self) -> bool:
+        """The output gate's projection is one full matrix."""
+        return self.full_rank in ("output", "both")
 
     @property
     def rank(self) -> int:
@@ -192,13 +213,19 @@ class KDALayer(nn.Module):
         self.k_proj = nn.Linear(d_model, H * K, bias=False)
         self.v_proj = nn.Linear(d_model, HV * V, bias=False)
         self.conv = ShortConv(2 * H * K + HV * V, config.conv_size)
-        self.f_down = nn.Linear(d_model, r, bias=False)  # decay: low rank, then one value per (HV, K)
-        self.f_up = nn.Linear(r, HV * K, bias=False)
+        if config.full_rank_decay:  # decay: one value per (HV, K), from one matrix or a low-rank pair
+            self.f_proj = nn.Linear(d_model, HV * K, bias=False)
+        else:
+            self.f_down = nn.Linear(d_model, r, bias=False)
+            self.f_up = nn.Linear(r, HV * K, bias=False)
         self.A_log = nn.Parameter(torch.empty(HV))
         self.dt_bias = nn.Parameter(torch.empty(HV, K))
         self.b_proj = nn.Linear(d_model, HV, bias=False)
-        self.g_down = nn.Linear(d_model, r, bias=False)  # output gate: low rank, one value per (HV, V)
-        self.g_up = nn.Linear(r, HV * V, bias=True)
+        if config.full_rank_output:  # output gate: one value per (HV, V)
+            self.g_proj = nn.Linear(d_model, HV * V, bias=True)
+        else:
+            self.g_down = nn.Linear(d_model, r, bias=False)
+            self.g_up = nn.Linear(r, HV * V, bias=True)
         self.o_norm = GatedRMSNorm(V, eps=config.norm_eps)
         self.o_proj = nn.Linear(HV * V, d_model, bias=False)
         self.reset_gate_parameters()
@@ -254,7 +281,7 @@ class KDALayer(nn.Module):
         k = l2_normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, HV, V)
 
-        f = self.f_up(self.f_down(x)).view(B, T, HV, K)
+        f = (self.f_proj(x) if cfg.full_rank_decay else self.f_up(self.f_down(x))).view(B, T, HV, K)
         if cfg.gate == "softplus":
             g = kda_gate(f, self.A_log, self.dt_bias)
         else:
@@ -273,7 +300,8 @@ class KDALayer(nn.Module):
                 o, state = self._prefill(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
             cache.conv_window, cache.state, cache.seq_len = window, state, cache.seq_len + T
 
-        o = self.o_norm(o, self.g_up(self.g_down(x)).view(B, T, HV, V))
+        gate = self.g_proj(x) if cfg.full_rank_output else self.g_up(self.g_down(x))
+        o = self.o_norm(o, gate.view(B, T, HV, V))
         return self.o_proj(o.reshape(B, T, HV * V))
 
     def _prefill(self, q, k, v, g, beta, initial_state, output_final_state):

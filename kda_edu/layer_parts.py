@@ -22,9 +22,9 @@ from kda_edu.kda_layer import KDAConfig, ShortConv
 PARTS = {
     "q, k, v projections": ("q_proj", "k_proj", "v_proj"),
     "short convolution": ("conv",),
-    "decay gate": ("f_down", "f_up", "A_log", "dt_bias"),
+    "decay gate": ("f_down", "f_up", "f_proj", "A_log", "dt_bias"),
     "beta": ("b_proj",),
-    "output gate": ("g_down", "g_up"),
+    "output gate": ("g_down", "g_up", "g_proj"),
     "output norm": ("o_norm",),
     "output projection": ("o_proj",),
 }
@@ -40,6 +40,8 @@ def kda_layer_parameters(d_model: int, config: KDAConfig) -> dict[str, int]:
     - decay gate `D R + R HV K` (low rank) `+ HV` (`A_log`) `+ HV K` (`dt_bias`);
     - beta `D HV`; output gate `D R + R HV V + HV V` (low rank, with a bias); output norm `V` (one weight
       vector shared by the heads); output projection `HV V D`.
+    - a full-rank gate (`config.full_rank`) has `D HV K` (decay) or `D HV V` (output) in place of its
+      low-rank pair.
     """
     D, H, HV, K, V, R, W = (
         d_model,
@@ -54,9 +56,9 @@ def kda_layer_parameters(d_model: int, config: KDAConfig) -> dict[str, int]:
     return {
         "q, k, v projections": D * C,
         "short convolution": W * C,
-        "decay gate": D * R + R * HV * K + HV + HV * K,
+        "decay gate": (D * HV * K if config.full_rank_decay else D * R + R * HV * K) + HV + HV * K,
         "beta": D * HV,
-        "output gate": D * R + R * HV * V + HV * V,
+        "output gate": (D * HV * V if config.full_rank_output else D * R + R * HV * V) + HV * V,
         "output norm": V,
         "output projection": HV * V * D,
     }

@@ -8,6 +8,10 @@ Every block is pre-norm, `x = x + mixer(RMSNorm(x))` then `x = x + ffn(RMSNorm(x
     "K"     pure KDA, for comparison
     "A"     pure (latent) attention, for comparison
 
+Options that Kimi K3 adds (chapter 14), all off by default: a (latent) mixture of experts in `ffn`, with
+`dense_layers` dense blocks first; attention residuals over depth (`attn_residuals`, `kda_edu.attn_residuals`);
+the MLA output gate (`MLAConfig.output_gate`); full-rank KDA gates (`KDAConfig.full_rank`).
+
 There is no positional encoding anywhere: the KDA layers (gates, short convolutions) and the causal mask carry
 the order of the tokens, as in Kimi Linear, whose MLA layers are NoPE.
 
@@ -22,7 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from kda_edu.ffn import FFNConfig, MoE, SwiGLU, build_ffn
+from kda_edu.attn_residuals import DepthAttention, DepthStream
+from kda_edu.ffn import FFNConfig, LatentMoE, MoE, SwiGLU, build_ffn
 from kda_edu.kda_layer import KDACache, KDAConfig, KDALayer
 from kda_edu.mla import MLA, MLACache, MLAConfig
 
@@ -44,6 +49,13 @@ class HybridConfig:
         kda: the configuration of every KDA layer.
         mla: the configuration of every MLA layer.
         ffn: the configuration of every feed-forward layer.
+        dense_layers: the first `dense_layers` blocks use a dense SwiGLU of width `ffn.hidden` even when
+            `ffn` has experts (Kimi Linear and K3 keep their first block dense).
+        attn_residuals: `"none"` (the ordinary residual sum), `"full"` (every sublayer's input is a softmax
+            over all earlier sublayers' outputs) or `"block"` (over sums of `attn_res_block_size` sublayers);
+            see `kda_edu.attn_residuals`.
+        attn_res_block_size: sublayers (a block has two: its mixer and its feed-forward layer) per source of
+            the `"block"` form.
         tie_embeddings: the output projection reuses the token embedding matrix.
         norm_eps: epsilon of the blocks' RMSNorms.
         init_std: standard deviation of the initial projection and embedding weights.
@@ -56,6 +68,9 @@ class HybridConfig:
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     ffn: FFNConfig = field(default_factory=FFNConfig)
+    dense_layers: int = 0
+    attn_residuals: str = "none"
+    attn_res_block_size: int = 4
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -69,11 +84,24 @@ class HybridConfig:
                 f"HybridConfig.layer_pattern must be a non-empty string of 'K' (KDA) and 'A' (MLA), "
                 f"got {self.layer_pattern!r}"
             )
+        if not 0 <= self.dense_layers <= self.n_layers:
+            raise ValueError(f"HybridConfig.dense_layers must lie in [0, n_layers], got {self.dense_layers}")
+        if self.attn_residuals not in ("none", "full", "block"):
+            raise ValueError(
+                f"HybridConfig.attn_residuals must be 'none', 'full' or 'block', got {self.attn_residuals!r}"
+            )
+        if self.attn_res_block_size < 1:
+            raise ValueError(f"HybridConfig.attn_res_block_size must be >= 1, got {self.attn_res_block_size}")
         for name, cls in (("kda", KDAConfig), ("mla", MLAConfig), ("ffn", FFNConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(
                     f"HybridConfig.{name} must be a {cls.__name__}, got {type(getattr(self, name))}"
                 )
+
+    @property
+    def depth_block_size(self) -> int | None:
+        """Sublayers per source of the attention residuals: 1 for `"full"`, None without them."""
+        return {"none": None, "full": 1, "block": self.attn_res_block_size}[self.attn_residuals]
 
     @property
     def layer_kinds(self) -> str:
@@ -138,16 +166,17 @@ class Block(nn.Module):
     Args:
         config: the model's `HybridConfig`.
         kind: "K" for a KDA mixer, "A" for an MLA mixer.
+        dense: use a dense SwiGLU of width `config.ffn.hidden` whatever `config.ffn` asks for.
     """
 
-    def __init__(self, config: HybridConfig, kind: str):
+    def __init__(self, config: HybridConfig, kind: str, dense: bool = False):
         super().__init__()
         d = config.d_model
         self.kind = kind
         self.mixer_norm = nn.RMSNorm(d, eps=config.norm_eps)
         self.mixer = KDALayer(d, config.kda) if kind == "K" else MLA(d, config.mla)
         self.ffn_norm = nn.RMSNorm(d, eps=config.norm_eps)
-        self.ffn = build_ffn(d, config.ffn)
+        self.ffn = SwiGLU(d, config.ffn.hidden) if dense else build_ffn(d, config.ffn)
 
     def forward(self, x: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
         """x `[B, T, D]` -> `[B, T, D]`; the mixer reads and advances `cache` when given."""
@@ -168,7 +197,17 @@ class HybridLM(nn.Module):
             raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
+        self.blocks = nn.ModuleList(
+            Block(config, kind, dense=i < config.dense_layers) for i, kind in enumerate(config.layer_kinds)
+        )
+        # One pseudo-query per sublayer and one for the output head, when the residuals attend over depth.
+        self.depth = (
+            nn.ModuleList(
+                DepthAttention(config.d_model, config.norm_eps) for _ in range(2 * config.n_layers + 1)
+            )
+            if config.attn_residuals != "none"
+            else None
+        )
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -179,7 +218,8 @@ class HybridLM(nn.Module):
     def _init_weights(self) -> None:
         """Normal(0, init_std) for every projection and the embedding, zero biases; the projections that
         write into the residual stream are scaled by `1 / sqrt(2 n_layers)` so the stream's variance does not
-        grow with depth. Layer-specific parameters (gates, convolutions, norms) keep their own initialisation.
+        grow with depth (for a latent MoE, the up-projection out of the latent, not the experts' own). Layer-
+        specific parameters (gates, convolutions, norms, the zero pseudo-queries) keep their own initialisation.
         """
         std = self.config.init_std
         for module in self.modules():
@@ -190,15 +230,27 @@ class HybridLM(nn.Module):
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         for block in self.blocks:
             nn.init.normal_(block.mixer.o_proj.weight, mean=0.0, std=residual_std)
-            experts = [block.ffn] if isinstance(block.ffn, SwiGLU) else []
-            if isinstance(block.ffn, MoE):
-                experts = [*block.ffn.experts, block.ffn.shared_expert]
-            for expert in experts:
-                nn.init.normal_(expert.down_proj.weight, mean=0.0, std=residual_std)
+            ffn = block.ffn
+            writers = [ffn.down_proj] if isinstance(ffn, SwiGLU) else []
+            if isinstance(ffn, MoE):
+                writers = (
+                    [ffn.latent_up] if isinstance(ffn, LatentMoE) else [e.down_proj for e in ffn.experts]
+                )
+                if ffn.shared_expert is not None:
+                    writers.append(ffn.shared_expert.down_proj)
+            for linear in writers:
+                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
 
     def num_parameters(self) -> int:
         """Number of trainable numbers (a tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def update_routing_bias(self, rate: float) -> None:
+        """Call `MoE.update_routing_bias(rate)` on every mixture-of-experts layer (after an optimiser step)."""
+        for block in self.blocks:
+            if isinstance(block.ffn, MoE):
+                block.ffn.update_routing_bias(rate)
 
     def new_cache(self) -> HybridCache:
         """An empty cache with one layer cache per block."""
@@ -223,9 +275,25 @@ class HybridLM(nn.Module):
     def _logits(self, input_ids: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
         """`forward` without the input checks (which cost a device-to-host sync per call on a GPU)."""
         x = self.embed(input_ids)
+        if self.depth is not None:
+            return self.lm_head(self.norm(self.depth_residuals(x, cache)[0]))
         for i, block in enumerate(self.blocks):
             x = block(x, cache=None if cache is None else cache.layers[i])
         return self.lm_head(self.norm(x))
+
+    def depth_residuals(
+        self, x: torch.Tensor, cache: HybridCache | None = None
+    ) -> tuple[torch.Tensor, DepthStream]:
+        """The blocks with attention residuals: embeddings x `[B, T, D]` -> (the output head's input `[B, T, D]`,
+        the `DepthStream` of the pass, which records the sources it kept). Every sublayer reads the softmax
+        mixture of the sources its pseudo-query asks for, and its output joins the sources."""
+        stream = DepthStream(x, self.config.depth_block_size)
+        for i, block in enumerate(self.blocks):
+            h = self.depth[2 * i](stream.sources())
+            stream.add(block.mixer(block.mixer_norm(h), cache=None if cache is None else cache.layers[i]))
+            h = self.depth[2 * i + 1](stream.sources())
+            stream.add(block.ffn(block.ffn_norm(h)))
+        return self.depth[-1](stream.sources()), stream
 
     @torch.no_grad()
     def generate(

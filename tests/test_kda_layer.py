@@ -247,3 +247,52 @@ def test_triton_kernels_on_cuda_match_the_pytorch_path():
         steps = [layer(x[:, t : t + 1], cache=cache) for t in range(65, 70)]  # fused_recurrent_kda
     torch.testing.assert_close(full, reference.detach(), rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), reference.detach(), rtol=1e-4, atol=2e-5)
+
+
+# --- full-rank gates (Kimi K3) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["decay", "output", "both"])
+def test_full_rank_gate_holding_the_low_rank_product_is_the_low_rank_layer(which):
+    """A full matrix set to `W_up W_down` computes what the low-rank pair computes (float64, rounding only):
+    the full-rank gate can express everything the low-rank one can, and more."""
+    low = make_layer().double()
+    full = make_layer(full_rank=which).double()
+    state = {k: v for k, v in low.state_dict().items() if k in full.state_dict()}
+    if which in ("decay", "both"):
+        state["f_proj.weight"] = low.f_up.weight @ low.f_down.weight
+    if which in ("output", "both"):
+        state["g_proj.weight"] = low.g_up.weight @ low.g_down.weight
+        state["g_proj.bias"] = low.g_up.bias
+    full.load_state_dict(state)
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    torch.testing.assert_close(full(x), low(x), rtol=1e-10, atol=1e-10)
+
+
+def test_full_rank_gate_reaches_ranks_the_low_rank_pair_cannot():
+    """The gate projection's rank: at most R = gate_rank for the pair, min(D, HV K) for the full matrix."""
+    low, full = make_layer(gate_rank=2), make_layer(gate_rank=2, full_rank="decay")
+    assert torch.linalg.matrix_rank(low.f_up.weight.double() @ low.f_down.weight.double()) == 2
+    assert torch.linalg.matrix_rank(full.f_proj.weight.double()) == min(D, 2 * 8)
+
+
+@pytest.mark.parametrize("which", ["decay", "output", "both"])
+def test_full_rank_layer_decodes_like_its_forward_and_trains(which):
+    layer = make_layer(full_rank=which, gate="lower_bound").double()
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    cache = layer.new_cache()
+    steps = torch.cat([layer(x[:, t : t + 1], cache=cache) for t in range(6)], dim=1)
+    torch.testing.assert_close(steps, layer(x), rtol=1e-10, atol=1e-10)
+    layer(x).square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_full_rank_parameter_counts_match_the_module():
+    from kda_edu.layer_parts import kda_layer_parameters, parameters_by_part
+
+    for which in ("none", "decay", "output", "both"):
+        layer = make_layer(full_rank=which)
+        assert parameters_by_part(layer) == kda_layer_parameters(D, layer.config), which
+    with pytest.raises(ValueError, match="KDAConfig.full_rank must be 'none', 'decay', 'output' or 'both'"):
+        KDAConfig(full_rank="yes")

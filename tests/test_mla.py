@@ -146,3 +146,25 @@ def test_bad_inputs_are_named():
         layer(torch.randn(3, 1, D, dtype=torch.float64), cache=cache)
     with pytest.raises(ValueError, match="MLAConfig.kv_rank must be >= 1"):
         MLAConfig(kv_rank=0)
+
+
+def test_output_gate_multiplies_each_channel_by_its_sigmoid():
+    """With the gate's weights at zero every channel is multiplied by sigmoid(0) = 1/2: half the ungated
+    layer's output (float64). With other weights, the gated layer is `W_o (o * sigmoid(W_g x))` where o is
+    what the ungated layer feeds its output projection (read with a hook)."""
+    gated, plain = make_layer(output_gate=True), make_layer()
+    gated.load_state_dict(
+        {**plain.state_dict(), "gate_proj.weight": torch.zeros_like(gated.gate_proj.weight)}
+    )
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    torch.testing.assert_close(gated(x), plain(x) / 2, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        gated.gate_proj.weight.normal_()
+    seen = {}
+    handle = plain.o_proj.register_forward_hook(
+        lambda module, inputs, output: seen.setdefault("o", inputs[0])
+    )
+    plain(x)
+    handle.remove()
+    expected = (seen["o"] * torch.sigmoid(gated.gate_proj(x))) @ plain.o_proj.weight.T
+    torch.testing.assert_close(gated(x), expected, rtol=1e-12, atol=1e-12)

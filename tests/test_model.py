@@ -179,3 +179,55 @@ def test_bad_inputs_and_configs_are_named():
         tiny_config(layer_pattern="KKKM")
     with pytest.raises(TypeError, match="HybridConfig.kda must be a KDAConfig"):
         dataclasses.replace(tiny_config(), kda={"num_heads": 2})
+
+
+# --- Kimi K3's options -------------------------------------------------------------------------------------
+
+K3_OPTIONS = dict(
+    kda=KDAConfig(num_heads=2, head_dim=8, chunk_size=8, gate="lower_bound", full_rank="output"),
+    mla=MLAConfig(num_heads=2, kv_rank=16, qk_head_dim=8, v_head_dim=8, output_gate=True),
+    ffn=FFNConfig(hidden=40, num_experts=6, top_k=2, expert_hidden=12, num_shared=2, latent_dim=16),
+    dense_layers=1,
+    attn_residuals="block",
+    attn_res_block_size=3,
+    tie_embeddings=False,
+)
+
+
+def test_k3_options_decode_like_the_full_forward():
+    model = make_model(**K3_OPTIONS)
+    with torch.no_grad():
+        for q in model.depth:
+            q.query.normal_()
+    x = ids(2, 10)
+    cache = model.new_cache()
+    steps = torch.cat([model(x[:, t : t + 1], cache=cache) for t in range(10)], dim=1)
+    torch.testing.assert_close(steps, model(x), rtol=1e-9, atol=1e-9)
+
+
+def test_k3_options_build_the_parts_they_name_and_count_them():
+    from kda_edu.ffn import LatentMoE, SwiGLU
+    from kda_edu.hybrid import hybrid_parameters
+
+    model = make_model(**K3_OPTIONS)
+    assert type(model.blocks[0].ffn) is SwiGLU and model.blocks[0].ffn.up_proj.out_features == 40
+    assert all(type(b.ffn) is LatentMoE for b in model.blocks[1:])
+    assert len(model.depth) == 2 * 4 + 1
+    assert model.blocks[3].mixer.gate_proj is not None and hasattr(model.blocks[0].mixer, "g_proj")
+    assert sum(hybrid_parameters(model.config).values()) == model.num_parameters()
+    assert sum(hybrid_parameters(tiny_config()).values()) == make_model().num_parameters()
+
+
+def test_routing_bias_updates_reach_every_moe_block():
+    model = make_model(**K3_OPTIONS).train()
+    model(ids(2, 12))
+    model.update_routing_bias(0.01)
+    for block in model.blocks[1:]:
+        assert block.ffn.load.sum() == 0 and torch.count_nonzero(block.ffn.route_bias) > 0
+
+
+def test_k3_options_round_trip_and_are_checked():
+    config = tiny_config(**K3_OPTIONS)
+    assert HybridConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match=r"HybridConfig.dense_layers must lie in \[0, n_layers\]"):
+        tiny_config(dense_layers=5)

@@ -22,8 +22,9 @@ matrices of rank <= R; the full matrix can express any, at `D HV K` parameters i
 For decoding, a `KDACache` keeps what the next token needs: the last `conv_size - 1` inputs of the
 convolution and the recurrent state `[B, HV, K, V]`. Both have a fixed size, whatever the context length.
 
-On a CUDA device (and when no gradient is needed: the Triton kernels are forward only) the recurrence runs
-in `kda_edu.triton.chunk_kda` / `fused_recurrent_kda`; otherwise in the PyTorch `kda_chunked` / `kda_step`.
+On a CUDA device, when no gradient is needed, the recurrence runs in `kda_edu.triton.chunk_kda` /
+`fused_recurrent_kda`; otherwise in the PyTorch `kda_chunked` / `kda_step`. The kernels do have a backward
+(chapter 9); routing this layer's training through it is not done yet, so training uses the PyTorch path.
 """
 
 import math
@@ -309,8 +310,15 @@ class KDALayer(nn.Module):
         if _triton_can_run(q, k, v, g, beta):
             from kda_edu.triton import chunk_kda
 
-            return chunk_kda(
-                q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state
+            return chunk_kda(  # g and beta are in range by construction: no value check (a host sync)
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                check_inputs=False,
             )
         return kda_chunked(
             q,
@@ -333,7 +341,7 @@ class KDALayer(nn.Module):
 
 
 def _triton_can_run(*tensors: torch.Tensor) -> bool:
-    """The Triton kernels need CUDA tensors in 16/32-bit floats, and have no backward pass."""
+    """The Triton kernels need CUDA tensors in 16/32-bit floats; with gradients the layer stays on PyTorch."""
     q = tensors[0]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return q.is_cuda and q.dtype != torch.float64 and not needs_grad

@@ -22,7 +22,7 @@ import browser_check  # noqa: E402
 import cache_guard  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
-HAS_JUPYTER_BOOK = (VENV_BIN / "jupyter-book").exists()
+HAS_JUPYTER_BOOK = (VENV_BIN / "jupyter-book").exists() and shutil.which("make") is not None
 
 
 def write_book(where: Path, cell: str) -> None:
@@ -136,6 +136,7 @@ def test_a_missing_browser_fails_unless_skipped_explicitly(tmp_path, monkeypatch
         browser_check.check_site(tmp_path, tmp_path / "shots", skip_if_no_browser=True)
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_passes_the_explicit_skip_to_the_browser_check():
     dry = subprocess.run(
         [

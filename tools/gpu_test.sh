@@ -15,13 +15,14 @@ mkdir -p "$out"
 # The chapters' kernels start in book/: they find kda_edu (and bench/, tests/) through absolute paths.
 export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 workers=${GPU_TEST_WORKERS:-8}
+nb_workers=${GPU_NB_WORKERS:-6}
 limit=${GPU_TEST_SECONDS:-540}
 python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU: tools/gpu_test.sh is for a GPU machine")' || exit 2
 
-timeout "$limit" python3 -m pytest tests -q -n "$workers" -p no:cacheprovider \
+timeout -s INT -k 30 "$limit" python3 -m pytest tests -q -n "$workers" -p no:cacheprovider \
     --junitxml="$out/unit.xml" >"$out/unit.log" 2>&1 &
 unit=$!
-timeout "$limit" python3 -m pytest -q -n "$workers" --dist loadfile -p no:cacheprovider \
+timeout -s INT -k 30 "$limit" python3 -m pytest -q -n "$nb_workers" --dist loadfile -p no:cacheprovider \
     --nbval-lax --nbval-current-env --nbval-cell-timeout=400 --nbval-kernel-startup-timeout=300 \
     --junitxml="$out/notebooks.xml" book/[0-9][0-9]_*.ipynb >"$out/notebooks.log" 2>&1 &
 nb=$!

@@ -33,6 +33,11 @@ from kda_edu.triton import chunk_kda, fused_recurrent_kda  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-4, torch.bfloat16: 1e-2}
+# Measured on the H200 (bench/NOTES.md, session 7): with nearly parallel keys and beta = 1, chunk_kda's bf16
+# path is 2.1e-2 from the loop on the same rounded inputs, over the 1e-2 of every other case: the solve turns
+# each value into its difference with the last one, and the bf16 intermediates keep 8 bits of those. The
+# claim for that case is the measured level with a margin, not 1e-2.
+CASE_TOL = {("correlated_keys", torch.bfloat16): 3e-2}
 DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 
@@ -167,7 +172,7 @@ def test_fast_paths_match_the_float64_loop(case, path):
     for dtype in DTYPES if path != "kda_chunked" else [torch.float32]:
         err = error(path, CASES[case](), dtype)
         print(f"{case} {path} {dtype}: {err:.2e}")
-        assert err <= TOL[dtype], (case, path, dtype, err)
+        assert err <= CASE_TOL.get((case, dtype), TOL[dtype]), (case, path, dtype, err)
 
 
 @pytest.mark.parametrize("path", ["chunk_kda", "fused_recurrent_kda"])

@@ -2,11 +2,11 @@
 # One device call that produces the H200 reports of the whole book, then the short benchmarks the chapters
 # read, all of this build. Run from the repository root on the GPU machine, carrying .whl:
 #
-#   bash bench/device/book_run.sh            (writes to $OUT; about 9 minutes)
+#   GPU_TEST_STAGES=unit bash bench/device/book_run.sh        (writes to $OUT; about 9 minutes)
+#   GPU_TEST_STAGES=notebooks bash bench/device/book_run.sh   (a second call: the chapters alone on the GPU)
 #
-# 1. tools/gpu_test.sh: the unit suite and every chapter under nbval (default dtype), side by side;
-#    beside them, the chapters that read kda_edu.device.DTYPE again with KDA_EDU_DTYPE=float16 (a T4's
-#    choice) and float32.
+# 1. tools/gpu_test.sh: the unit suite or every chapter under nbval (default dtype); beside it, the
+#    chapters that read kda_edu.device.DTYPE again with KDA_EDU_DTYPE=float16 (a T4's choice) and float32.
 #    Chapter 14's experiment at GPU size runs beside them (it reports losses, not times).
 # 2. On the then quiet GPU: bench/tf32_precision.py (chapter 7) and bench/cp_shard_costs.py (chapter 15).
 # What comes back (at most 8 files): the JUnit reports, the two benchmark JSONs and logs.tar.gz.
@@ -18,7 +18,7 @@ OUT=${OUT:?set OUT}
 logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$logs/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$logs/gpu.txt"
-git log -1 --format='build %H %s' >>"$logs/gpu.txt" 2>/dev/null || true
+
 
 dtype_chapters=$(grep -lw "DTYPE" book/[0-9][0-9]_*.md | sed 's/\.md$/.ipynb/')
 for dt in float16 float32; do
@@ -33,7 +33,7 @@ GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-11} GPU_NB_WORKERS=${GPU_NB_WORKERS:-5} GPU
   bash tools/gpu_test.sh "$logs/h200_tests" >"$logs/gpu_test.log" 2>&1
 echo "gpu_test: exit $?" >>"$logs/gpu.txt"
 wait
-cp "$logs/h200_tests/unit.xml" "$logs/h200_tests/notebooks.xml" "$OUT/" 2>/dev/null
+cp "$logs"/h200_tests/*.xml "$OUT/" 2>/dev/null
 
 timeout 50 python3 bench/tf32_precision.py --out "$OUT/h200_tf32.json" >"$logs/tf32.log" 2>&1
 timeout "${CP_SECONDS:-80}" python3 bench/cp_shard_costs.py --max-seconds "${CP_ROWS_SECONDS:-45}" \

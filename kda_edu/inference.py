@@ -17,6 +17,9 @@
   measured row with the largest batch, or the row at batch 1, from a `bench_decode_throughput` result.
 - `weight_bytes(config)`: the bytes of a `HybridLM`'s parameters, counted without allocating them.
 - `count_ops(fn)`: how many PyTorch operations a call dispatches (the length of a step's chain of operations).
+- `ServingDecoder(model, max_seqs, max_len)`: the serving-grade decoding path: preallocated cache pools, rows
+  indexed per sequence (continuous batching), absorbed MLA through a split-context Triton kernel, KDA through
+  `fused_recurrent_kda` with state indices, and the step captured as a CUDA graph on a GPU.
 """
 
 import math
@@ -26,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kda_edu.costs import cache_bytes
+from kda_edu.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
+from kda_edu.kda import kda_step
 from kda_edu.kda_layer import KDACache
 from kda_edu.mla import MQA_SLICE_NUMBERS, MLACache
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
@@ -116,8 +121,10 @@ def synthetic_cache(model: HybridLM, batch: int, context_len: int, seed: int = 0
             )
             cache.seq_len = context_len
         else:
-            r = block.mixer.config.kv_rank
-            cache.latent = torch.randn(batch, context_len, r, generator=generator, device=device, dtype=dtype)
+            width = block.mixer.config.cache_width
+            cache.latent = torch.randn(
+                batch, context_len, width, generator=generator, device=device, dtype=dtype
+            )
         layers.append(cache)
     return HybridCache(layers)
 
@@ -227,7 +234,7 @@ def mla_append_seconds(
     param = next(layer.parameters())
     generator = torch.Generator(device=param.device).manual_seed(0)
     base = torch.randn(
-        batch, history, layer.config.kv_rank, generator=generator, device=param.device, dtype=param.dtype
+        batch, history, layer.config.cache_width, generator=generator, device=param.device, dtype=param.dtype
     )
     x = torch.randn(
         batch, appended, layer.d_model, generator=generator, device=param.device, dtype=param.dtype
@@ -267,9 +274,9 @@ def decode_step_bytes(
     mla_layer = kda_layer = 0
     if "A" in kinds:
         m = config.mla
-        appended = B * S * m.kv_rank * dtype_bytes
-        positions = min(S, max(1, MQA_SLICE_NUMBERS // max(1, B * m.kv_rank)))  # as causal_attention slices
-        attention = B * 2 * m.num_heads * (S + m.kv_rank) * c + 2 * positions * B * m.kv_rank * c
+        appended = B * S * m.cache_width * dtype_bytes
+        positions = min(S, max(1, MQA_SLICE_NUMBERS // max(1, B * m.cache_width)))  # as causal_attention slices
+        attention = B * 2 * m.num_heads * (S + m.kv_rank) * c + 2 * positions * B * m.cache_width * c
         mla_layer = max(appended, attention)
     if "K" in kinds:
         k = config.kda
@@ -358,3 +365,204 @@ def count_ops(fn) -> int:
     with torch.no_grad(), _OpCounter() as counter:
         fn()
     return counter.count
+
+
+class ServingDecoder:
+    """Decode many sequences of a `HybridLM` at once, as a serving engine does: preallocated caches, sequences
+    joining and leaving between steps (continuous batching), one token per sequence per step.
+
+    Every cache is allocated once, for `max_seqs` sequences of up to `max_len` tokens, plus one scratch row
+    (used while a CUDA graph is captured):
+
+    - MLA layer: a pool `[max_seqs + 1, max_len, r + d_r]` of cached rows in the model's dtype; a step writes
+      the new token's row at its position and attends in absorbed (MQA) mode.
+    - KDA layer: a state pool `[max_seqs + 1, HV, K, V]` (float32) and a convolution-window pool
+      `[max_seqs + 1, W - 1, C]`; a step updates sequence b's state in place at row `slots[b]` (vLLM's state
+      indices).
+    - `lengths[slot]`: tokens cached for the sequence in that row (int32, on the device).
+
+    A sequence joins with `add(prompt)` (a prefill through the model's ordinary forward, copied into a free
+    row) and leaves with `release(slot)`; `step(tokens, slots)` decodes one token for each listed row, in
+    any order and any subset. The step reads its positions from `lengths` on the device and launches work whose
+    shapes depend only on the batch size, so it makes no host synchronisation, validates nothing and (in a
+    CUDA graph) allocates nothing. On a CUDA device the attention runs in `kda_edu.triton.mla_decode` and the
+    recurrence in `fused_recurrent_kda` with state indices, and each batch size's step is captured once as a
+    CUDA graph and replayed; elsewhere the same step runs eagerly with PyTorch's `mla_decode_reference` and
+    `kda_step` (or with the kernels through Triton's interpreter, `kernels=True`).
+
+    Args:
+        model: a `HybridLM` without attention residuals, in eval mode, in its serving dtype (bf16 on a GPU).
+            Its feed-forward layers must not synchronise with the host (a dense SwiGLU does not).
+        max_seqs: rows of the pools: sequences decoded at once at most.
+        max_len: tokens per sequence at most (prompt and generated).
+        kernels: use the Triton kernels; None means on a CUDA device.
+        cuda_graph: capture and replay the step; None means on a CUDA device.
+    """
+
+    def __init__(
+        self,
+        model: HybridLM,
+        max_seqs: int,
+        max_len: int,
+        kernels: bool | None = None,
+        cuda_graph: bool | None = None,
+    ):
+        if not isinstance(model, HybridLM) or model.depth is not None:
+            raise ValueError("model must be a HybridLM without attention residuals")
+        if max_seqs < 1 or max_len < 1:
+            raise ValueError(f"max_seqs and max_len must be >= 1, got {max_seqs}, {max_len}")
+        param = next(model.parameters())
+        device, dtype = param.device, param.dtype
+        self.model = model.eval()
+        self.max_seqs, self.max_len = max_seqs, max_len
+        self.kernels = device.type == "cuda" if kernels is None else kernels
+        self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.cuda_graph and device.type != "cuda":
+            raise ValueError("cuda_graph=True needs the model on a CUDA device")
+        rows = max_seqs + 1
+        self.scratch = max_seqs  # the extra row: CUDA-graph warm-up and capture write there
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.pools: list[dict] = []
+        for block in model.blocks:
+            cfg = block.mixer.config
+            if block.kind == "A":
+                latent = torch.zeros(rows, max_len, cfg.cache_width, dtype=dtype, device=device)
+                self.pools.append({"latent": latent})
+            else:
+                channels = 2 * cfg.num_heads * cfg.head_dim + cfg.hv * cfg.v_dim
+                window = torch.zeros(rows, cfg.conv_size - 1, channels, dtype=dtype, device=device)
+                state = torch.zeros(rows, cfg.hv, cfg.head_dim, cfg.v_dim, dtype=state_dtype, device=device)
+                self.pools.append({"window": window, "state": state})
+        self.free = list(range(max_seqs))
+        self._graphs: dict[int, tuple] = {}
+
+    def nbytes(self) -> int:
+        """Bytes of every pool (all rows, scratch included)."""
+        tensors = [self.lengths, *(t for pool in self.pools for t in pool.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def add(self, prompt: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Prefill `prompt` (int64 `[T]`, 1 <= T < max_len) into a free row; return (its slot, the logits
+        `[vocab]` after the prompt's last token)."""
+        if prompt.dim() != 1 or not 1 <= prompt.numel() < self.max_len:
+            raise ValueError(
+                f"prompt must be [T] with 1 <= T < max_len = {self.max_len}, got {tuple(prompt.shape)}"
+            )
+        if not self.free:
+            raise RuntimeError(f"all {self.max_seqs} rows are in use: release a sequence first")
+        slot, T = self.free.pop(0), prompt.numel()
+        cache = self.model.new_cache()
+        logits = self.model(prompt[None], cache=cache)[0, -1]
+        for pool, layer in zip(self.pools, cache.layers, strict=True):
+            if "latent" in pool:
+                pool["latent"][slot, :T] = layer.latent[0]
+            else:
+                pool["window"][slot] = layer.conv_window[0]
+                pool["state"][slot] = layer.state[0]
+        self.lengths[slot] = T
+        return slot, logits
+
+    def release(self, slot: int) -> None:
+        """The sequence in `slot` has left; its row is reused by the next `add`."""
+        if not 0 <= slot < self.max_seqs or slot in self.free:
+            raise ValueError(f"slot {slot} is not in use")
+        self.free.append(slot)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Decode one token for each sequence: `tokens` int64 `[B]` at rows `slots` (int64 `[B]`, distinct, in
+        use). Returns the logits `[B, vocab]`; with CUDA graphs a buffer that the next step overwrites."""
+        if not self.cuda_graph:
+            return self._step(tokens, slots)
+        B = tokens.shape[0]
+        if B not in self._graphs:
+            self._graphs[B] = self._capture(B)
+        graph, static_tokens, static_slots, logits = self._graphs[B]
+        static_tokens.copy_(tokens)
+        static_slots.copy_(slots)
+        graph.replay()
+        return logits
+
+    def _capture(self, B: int) -> tuple:
+        """Record one step for batch size B as a CUDA graph, warming up (compiling the kernels) on the
+        scratch row so that no sequence's cache changes."""
+        device = self.lengths.device
+        tokens = torch.zeros(B, dtype=torch.long, device=device)
+        slots = torch.full((B,), self.scratch, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(tokens, slots)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._step(tokens, slots)
+        self.lengths[self.scratch] = 0
+        return graph, tokens, slots, logits
+
+    def _step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        x = model.embed(tokens)[:, None]  # [B, 1, D]
+        positions = self.lengths[slots]  # where the new token goes, [B]
+        lengths = positions + 1  # visible positions, the new one included
+        for block, pool in zip(model.blocks, self.pools, strict=True):
+            h = block.mixer_norm(x)
+            if block.kind == "A":
+                x = x + self._mla(block.mixer, h, pool["latent"], slots, positions, lengths)
+            else:
+                x = x + self._kda(block.mixer, h, pool["window"], pool["state"], slots)
+            x = x + block.ffn(block.ffn_norm(x))
+        self.lengths.index_copy_(0, slots, lengths)
+        return model.lm_head(model.norm(x))[:, 0]
+
+    def _mla(self, layer, h, latent_pool, slots, positions, lengths):
+        """Absorbed-mode MLA for one token per sequence, its new row written into the pool first."""
+        cfg = layer.config
+        B = h.shape[0]
+        q = layer.q_proj(h).view(B, 1, cfg.num_heads, cfg.qk_head_dim + cfg.rope_head_dim)
+        latent_pool.index_put_((slots, positions.long()), layer.latents(h)[:, 0])
+        query = layer.absorb_query(q)[:, 0]  # [B, H, r + d_r]
+        scale = (cfg.qk_head_dim + cfg.rope_head_dim) ** -0.5
+        if self.kernels:
+            from kda_edu.triton.mla_decode import mla_decode_attention
+
+            o = mla_decode_attention(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
+        else:
+            from kda_edu.triton.mla_decode import mla_decode_reference
+
+            o = mla_decode_reference(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
+        return layer.project_out(layer.expand_output(o)[:, None], h)
+
+    def _kda(self, layer, h, window_pool, state_pool, slots):
+        """One KDA step per sequence: `KDALayer.forward`'s inputs and output, the state updated in its row."""
+        cfg = layer.config
+        B = h.shape[0]
+        H, HV, K, V = cfg.num_heads, cfg.hv, cfg.head_dim, cfg.v_dim
+        qkv = torch.cat([layer.q_proj(h), layer.k_proj(h), layer.v_proj(h)], dim=-1)
+        qkv, window = layer.conv(qkv, window_pool[slots])
+        window_pool.index_copy_(0, slots, window)
+        q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
+        q = l2_normalize(q.reshape(B, 1, H, K))
+        k = l2_normalize(k.reshape(B, 1, H, K))
+        v = v.reshape(B, 1, HV, V)
+        f = (layer.f_proj(h) if cfg.full_rank_decay else layer.f_up(layer.f_down(h))).view(B, 1, HV, K)
+        if cfg.gate == "softplus":
+            g = kda_gate(f, layer.A_log, layer.dt_bias)
+        else:
+            g = kda_gate_lower_bound(f, layer.A_log, layer.dt_bias, lower_bound=cfg.lower_bound)
+        beta = beta_sigmoid(layer.b_proj(h))
+        if self.kernels:
+            from kda_edu.triton import fused_recurrent_kda
+
+            o, _ = fused_recurrent_kda(
+                q, k, v, g, beta, initial_state=state_pool, inplace_final_state=True, state_indices=slots
+            )
+        else:
+            o, state = kda_step(q, k, v, g, beta, state_pool[slots])
+            state_pool.index_copy_(0, slots, state)
+        gate = layer.g_proj(h) if cfg.full_rank_output else layer.g_up(layer.g_down(h))
+        o = layer.o_norm(o, gate.view(B, 1, HV, V))
+        return layer.o_proj(o.reshape(B, 1, HV * V))

@@ -20,19 +20,23 @@
 - `ServingDecoder(model, max_seqs, max_len)`: the serving-grade decoding path: preallocated cache pools, rows
   indexed per sequence (continuous batching), absorbed MLA through a split-context Triton kernel, KDA through
   `fused_recurrent_kda` with state indices, and the step captured as a CUDA graph on a GPU.
+- `mla_append(layer, x, rows, length, mode)`: one append of n tokens to a preallocated MLA cache in MHA mode
+  (expanded keys and values, fused attention) or absorbed mode.
+- `decode_bytes_per_step(config, context_len, batch)`: the bytes a decoding step must move (its bound).
 """
 
 import math
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kda_edu.costs import cache_bytes
 from kda_edu.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.kda import kda_step
 from kda_edu.kda_layer import KDACache
-from kda_edu.mla import MQA_SLICE_NUMBERS, MLACache
+from kda_edu.mla import MQA_SLICE_NUMBERS, MLACache, mla_absorbed_reference
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
 
 # Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).
@@ -275,7 +279,9 @@ def decode_step_bytes(
     if "A" in kinds:
         m = config.mla
         appended = B * S * m.cache_width * dtype_bytes
-        positions = min(S, max(1, MQA_SLICE_NUMBERS // max(1, B * m.cache_width)))  # as causal_attention slices
+        positions = min(
+            S, max(1, MQA_SLICE_NUMBERS // max(1, B * m.cache_width))
+        )  # as causal_attention slices
         attention = B * 2 * m.num_heads * (S + m.kv_rank) * c + 2 * positions * B * m.cache_width * c
         mla_layer = max(appended, attention)
     if "K" in kinds:
@@ -335,6 +341,25 @@ def batch_one_rows(result: dict, pattern: str) -> list[dict]:
     return sorted(rows, key=lambda row: row["context_len"])
 
 
+def decode_bytes_per_step(config: HybridConfig, context_len: int, batch: int, dtype_bytes: int = 2) -> dict:
+    """Bytes one decoding step must move through memory at least, by kind: `{"weights", "mla", "kda"}`.
+
+    - weights: every parameter read once (`weight_bytes`; the tied embedding once, as the output head).
+    - mla: every MLA layer reads each sequence's `context_len + 1` cached rows of `r + d_r` numbers once and
+      writes the new one.
+    - kda: every KDA layer reads and writes each sequence's float32 state `HV K V` and convolution window.
+
+    Divided by the memory bandwidth this is the step's lower bound; activations (a few vectors per token)
+    are left out.
+    """
+    kinds = config.layer_kinds
+    m, k = config.mla, config.kda
+    mla = kinds.count("A") * batch * (context_len + 2) * m.cache_width * dtype_bytes
+    window = (k.conv_size - 1) * (2 * k.num_heads * k.head_dim + k.hv * k.v_dim) * dtype_bytes
+    kda = kinds.count("K") * batch * 2 * (k.hv * k.head_dim * k.v_dim * 4 + window)
+    return {"weights": weight_bytes(config, dtype_bytes), "mla": mla, "kda": kda}
+
+
 def weight_bytes(config: HybridConfig, dtype_bytes: int = 2) -> int:
     """Bytes of the parameters of a `HybridLM` built from `config` (tied embeddings counted once).
 
@@ -387,8 +412,8 @@ class ServingDecoder:
     shapes depend only on the batch size, so it makes no host synchronisation, validates nothing and (in a
     CUDA graph) allocates nothing. On a CUDA device the attention runs in `kda_edu.triton.mla_decode` and the
     recurrence in `fused_recurrent_kda` with state indices, and each batch size's step is captured once as a
-    CUDA graph and replayed; elsewhere the same step runs eagerly with PyTorch's `mla_decode_reference` and
-    `kda_step` (or with the kernels through Triton's interpreter, `kernels=True`).
+    CUDA graph and replayed; elsewhere the same step runs eagerly with PyTorch's `mla_absorbed_reference` and
+    `mla_absorbed_reference` and `kda_step` (or with the kernels through Triton's interpreter, `kernels=True`).
 
     Args:
         model: a `HybridLM` without attention residuals, in eval mode, in its serving dtype (bf16 on a GPU).
@@ -436,6 +461,17 @@ class ServingDecoder:
                 self.pools.append({"window": window, "state": state})
         self.free = list(range(max_seqs))
         self._graphs: dict[int, tuple] = {}
+
+    @staticmethod
+    def pool_bytes(config: HybridConfig, rows: int, max_len: int, dtype_bytes: int = 2) -> int:
+        """Bytes of the pools for `rows` sequences of up to `max_len` tokens (lengths not counted): per MLA
+        layer `max_len (r + d_r)` numbers, per KDA layer a float32 state and a convolution window, per row."""
+        m, k = config.mla, config.kda
+        window = (k.conv_size - 1) * (2 * k.num_heads * k.head_dim + k.hv * k.v_dim) * dtype_bytes
+        per_kda = k.hv * k.head_dim * k.v_dim * max(4, dtype_bytes) + window
+        per_mla = max_len * m.cache_width * dtype_bytes
+        kinds = config.layer_kinds
+        return rows * (kinds.count("A") * per_mla + kinds.count("K") * per_kda)
 
     def nbytes(self) -> int:
         """Bytes of every pool (all rows, scratch included)."""
@@ -524,17 +560,15 @@ class ServingDecoder:
         B = h.shape[0]
         q = layer.q_proj(h).view(B, 1, cfg.num_heads, cfg.qk_head_dim + cfg.rope_head_dim)
         latent_pool.index_put_((slots, positions.long()), layer.latents(h)[:, 0])
-        query = layer.absorb_query(q)[:, 0]  # [B, H, r + d_r]
+        query = layer.absorb_query(q)  # [B, 1, H, r + d_r]
         scale = (cfg.qk_head_dim + cfg.rope_head_dim) ** -0.5
         if self.kernels:
-            from kda_edu.triton.mla_decode import mla_decode_attention
+            from kda_edu.triton.mla_decode import mla_absorbed_attention
 
-            o = mla_decode_attention(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
+            o = mla_absorbed_attention(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
         else:
-            from kda_edu.triton.mla_decode import mla_decode_reference
-
-            o = mla_decode_reference(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
-        return layer.project_out(layer.expand_output(o)[:, None], h)
+            o = mla_absorbed_reference(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
+        return layer.project_out(layer.expand_output(o), h)
 
     def _kda(self, layer, h, window_pool, state_pool, slots):
         """One KDA step per sequence: `KDALayer.forward`'s inputs and output, the state updated in its row."""
@@ -566,3 +600,58 @@ class ServingDecoder:
         gate = layer.g_proj(h) if cfg.full_rank_output else layer.g_up(layer.g_down(h))
         o = layer.o_norm(o, gate.view(B, 1, HV, V))
         return layer.o_proj(o.reshape(B, 1, HV * V))
+
+
+@torch.no_grad()
+def mla_append(
+    layer, x: torch.Tensor, rows: torch.Tensor, length: int, mode: str, kernels: bool | None = None
+):
+    """Append the tokens x `[B, n, D]` to sequences whose `length` cached rows sit in `rows` `[B, L_max, r +
+    d_r]` (preallocated, `length + n <= L_max`), as a serving engine does: write the new rows in place, attend
+    from the new tokens to everything cached, return the layer's output `[B, n, D]`.
+
+    - `"mha"`: expand every cached latent into per-head keys and values (`H (d_k + d_r + d_v)` numbers per
+      position, bf16) and run PyTorch's fused attention (`scaled_dot_product_attention` with a lower-right
+      causal mask: token i sees the history and the new tokens up to itself).
+    - `"mqa"`: absorbed queries over the cached rows themselves, in `kda_edu.triton.mla_decode` on a GPU
+      (`kernels`, None means on CUDA) or `mla_absorbed_reference` elsewhere.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    if mode not in ("mha", "mqa"):
+        raise ValueError(f"mode must be 'mha' or 'mqa', got {mode!r}")
+    B, n, _ = x.shape
+    if length + n > rows.shape[1]:
+        raise ValueError(f"rows hold {rows.shape[1]} positions, fewer than length + n = {length + n}")
+    cfg = layer.config
+    H, r, dk, dv, dr = cfg.num_heads, cfg.kv_rank, cfg.qk_head_dim, cfg.v_head_dim, cfg.rope_head_dim
+    S = length + n
+    q = layer.q_proj(x).view(B, n, H, dk + dr)
+    rows[:, length:S] = layer.latents(x)
+    scale = (dk + dr) ** -0.5
+    if mode == "mha":
+        cached = rows[:, :S]
+        k = layer.k_up(cached[..., :r]).view(B, S, H, dk)
+        if dr:
+            k = torch.cat([k, cached[:, :, None, r:].expand(B, S, H, dr)], dim=-1)
+        v = layer.v_up(cached[..., :r]).view(B, S, H, dv)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=causal_lower_right(n, S),
+            scale=scale,
+        ).transpose(1, 2)
+    else:
+        query = layer.absorb_query(q)  # [B, n, H, r + d_r]
+        slots = torch.arange(B, device=x.device)
+        lengths = torch.full((B,), S, device=x.device, dtype=torch.int32)
+        use_kernels = x.is_cuda if kernels is None else kernels
+        if use_kernels:
+            from kda_edu.triton.mla_decode import mla_absorbed_attention
+
+            o = mla_absorbed_attention(query, rows, slots, lengths, scale, r)
+        else:
+            o = mla_absorbed_reference(query, rows, slots, lengths, scale, r)
+        o = layer.expand_output(o)
+    return layer.project_out(o, x)

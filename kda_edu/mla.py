@@ -269,3 +269,28 @@ class MLA(nn.Module):
         if self.gate_proj is not None:
             o = o * torch.sigmoid(self.gate_proj(x)).view(B, T, H, dv)
         return self.o_proj(o.reshape(B, T, H * dv))
+
+
+def mla_absorbed_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:
+    """Absorbed MLA attention of the last T tokens of each sequence over a pool of cached rows, in PyTorch.
+
+    The reference of `kda_edu.triton.mla_decode.mla_absorbed_attention` (same arguments: q `[B, T, H, D]`,
+    the pool `[P, L_max, D]`, `slots` and `lengths` `[B]` with the T new tokens cached at positions
+    `lengths - T ...`, values the first `value_dim` numbers of each row). It gathers the sequences' rows
+    (a copy) and masks, for token t, the positions after `lengths - T + t`. Returns `[B, T, H, R]` in
+    float32 (float64 for float64 inputs); runs on any device."""
+    T = q.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    rows = cache[slots.long()].to(dtype)  # [B, L_max, D]
+    scores = torch.einsum("bthd,bld->bthl", q.to(dtype), rows) * scale
+    last = lengths[:, None] - T + torch.arange(T, device=q.device)  # [B, T]: each token's own position
+    visible = torch.arange(cache.shape[1], device=q.device) <= last[..., None]  # [B, T, L_max]
+    probs = torch.softmax(scores.masked_fill(~visible[:, :, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bthl,blr->bthr", probs, rows[..., :value_dim])

@@ -100,20 +100,23 @@ def test_pools_are_preallocated_and_bad_use_is_named():
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_mla_decode_kernel_equals_the_reference_in_any_split(splits):
-    """The split-context kernel (CPU interpreter, float32) against the gathering PyTorch reference: rows in
+    """The split-context kernel (CPU interpreter, float32) against the gathering PyTorch reference, two
+    new tokens per sequence each masking what follows it: rows in
     any order, lengths from 1 to the pool's full length, heads not a multiple of the head block; float32
     products over 20 numbers and a softmax: 1e-5."""
-    from kda_edu.triton.mla_decode import mla_decode_attention, mla_decode_reference
+    from kda_edu.mla import mla_absorbed_reference
+    from kda_edu.triton.mla_decode import mla_absorbed_attention
 
     gen = torch.Generator().manual_seed(0)
-    q, cache = torch.randn(3, 3, 20, generator=gen), torch.randn(5, 70, 20, generator=gen)
-    slots, lengths = torch.tensor([4, 0, 2]), torch.tensor([1, 37, 70], dtype=torch.int32)
-    out = mla_decode_attention(q, cache, slots, lengths, 0.3, 16, num_splits=splits)
-    torch.testing.assert_close(
-        out, mla_decode_reference(q, cache, slots, lengths, 0.3, 16), rtol=1e-5, atol=1e-5
-    )
+    q, cache = torch.randn(3, 2, 3, 20, generator=gen), torch.randn(5, 70, 20, generator=gen)
+    slots, lengths = torch.tensor([4, 0, 2]), torch.tensor([2, 37, 70], dtype=torch.int32)
+    out = mla_absorbed_attention(q, cache, slots, lengths, 0.3, 16, num_splits=splits)
+    reference = mla_absorbed_reference(q, cache, slots, lengths, 0.3, 16)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    # the first token of the shortest sequence sees one position: its output is that row's latent
+    torch.testing.assert_close(out[0, 0], cache[4, 0, :16].expand(3, 16), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="lengths must be int32/int64"):
-        mla_decode_attention(q, cache, slots, lengths[:2], 0.3, 16)
+        mla_absorbed_attention(q, cache, slots, lengths[:2], 0.3, 16)
 
 
 def test_fused_recurrent_state_indices_update_only_their_rows():
@@ -136,3 +139,24 @@ def test_fused_recurrent_state_indices_update_only_their_rows():
     assert torch.equal(updated[[1, 2, 4]], pool[[1, 2, 4]])  # untouched rows: the same bits
     with pytest.raises(ValueError, match="needs the pool as initial_state and inplace_final_state=True"):
         fused_recurrent_kda(q, k, v, g, beta, initial_state=updated, state_indices=rows)
+
+
+@pytest.mark.parametrize("mode", ["mha", "mqa"])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_append_into_preallocated_rows_equals_the_layer(mode, kernels):
+    """`mla_append` of 5 tokens after 7 equals the reference layer over all 12 (float32; MHA through SDPA,
+    MQA through the kernel under the interpreter or the PyTorch reference: 1e-5), and writes the new rows."""
+    from kda_edu.inference import mla_append
+    from kda_edu.mla import MLA
+
+    torch.manual_seed(0)
+    layer = MLA(16, CONFIG.mla).eval()
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad():
+        full = layer(x)
+        rows = torch.zeros(2, 20, CONFIG.mla.cache_width)
+        rows[:, :7] = layer.latents(x[:, :7])
+    out = mla_append(layer, x[:, 7:], rows, 7, mode, kernels=kernels)
+    torch.testing.assert_close(out, full[:, 7:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows[:, 7:12], layer.latents(x[:, 7:]).detach())
+    assert rows[:, 12:].abs().max() == 0

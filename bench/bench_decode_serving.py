@@ -191,7 +191,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     if args.smoke:
-        device, dtype, contexts, cap = torch.device("cpu"), torch.float32, args.contexts or [16, 48], 4
+        device, dtype, contexts, cap = torch.device("cpu"), torch.float32, args.contexts or [16], 3
         steps = min(args.steps, 2)
     else:
         if not torch.cuda.is_available():

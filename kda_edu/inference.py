@@ -16,7 +16,8 @@
 - `largest_batch_rows(result, pattern)` and `batch_one_rows(result, pattern)` pick, per context length, the
   measured row with the largest batch, or the row at batch 1, from a `bench_decode_throughput` result.
 - `weight_bytes(config)`: the bytes of a `HybridLM`'s parameters, counted without allocating them.
-- `count_ops(fn)`: how many PyTorch operations a call dispatches (the length of a step's chain of operations).
+- `count_ops(fn)` and `dispatched_ops(fn)`: how many PyTorch operations a call dispatches (the length of a step's
+  chain of operations), and which.
 - `ServingDecoder(model, max_seqs, max_len)`: the serving-grade decoding path: preallocated cache pools, rows
   indexed per sequence (continuous batching), absorbed MLA through a split-context Triton kernel, KDA through
   `fused_recurrent_kda` with state indices, and the step captured as a CUDA graph on a GPU.
@@ -371,14 +372,22 @@ def weight_bytes(config: HybridConfig, dtype_bytes: int = 2) -> int:
     return sum(p.numel() for p in model.parameters()) * dtype_bytes
 
 
-class _OpCounter(TorchDispatchMode):
+class _OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.names.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(fn) -> list[str]:
+    """The names of the PyTorch (ATen) operations that calling `fn()` dispatches, in order (views and
+    allocations included; `aten._local_scalar_dense` is a device-to-host read such as `.item()`)."""
+    with torch.no_grad(), _OpRecorder() as recorder:
+        fn()
+    return recorder.names
 
 
 def count_ops(fn) -> int:
@@ -387,9 +396,7 @@ def count_ops(fn) -> int:
     Every such operation is a separate call from Python into PyTorch, and on a GPU most of them launch a kernel;
     at a small batch a decoding step's time is largely the fixed cost of that chain.
     """
-    with torch.no_grad(), _OpCounter() as counter:
-        fn()
-    return counter.count
+    return len(dispatched_ops(fn))
 
 
 class ServingDecoder:

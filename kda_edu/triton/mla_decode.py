@@ -23,7 +23,8 @@ Design (flash decoding, as FlashMLA does it for DeepSeek):
   device: the launch does not depend on any value on the device, so it can be captured in a CUDA graph
   and replayed as lengths grow. Programs whose range lies past ``L_b`` write an empty partial.
 * Scores and the running softmax are float32; the products take the cache's dtype (bf16 on a GPU).
-  Under the CPU interpreter the products are float32 (its bf16 ``tl.dot`` is wrong).
+  Under the CPU interpreter, and for a float32 cache, the products are float32 (not TF32; the
+  interpreter's bf16 ``tl.dot`` is wrong).
 
 `kda_edu.mla.mla_absorbed_reference` computes the same in PyTorch.
 """
@@ -96,7 +97,7 @@ def _mla_absorbed_kernel(
                 cache_ptr + rows[None, :] + d[:, None], mask=mask_d[:, None] & mask_n[None, :], other=0.0
             )
             if DOT_FP32:
-                scores += tl.dot(a.to(tl.float32), kt.to(tl.float32))
+                scores += tl.dot(a.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
             else:
                 scores += tl.dot(a.to(kt.dtype), kt)
         seen = mask_n[None, :] & (pos[None, :] < visible[:, None])
@@ -110,7 +111,7 @@ def _mla_absorbed_kernel(
             cache_ptr + rows[:, None] + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
         )
         if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, vals.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, vals.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
         m = m_new

@@ -8,6 +8,8 @@ from kda_edu.kda_layer import KDAConfig
 from kda_edu.mla import MLAConfig
 from kda_edu.model import HybridConfig, HybridLM
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run where the backend does
+
 CONFIG = HybridConfig(
     vocab_size=40,
     d_model=16,
@@ -19,7 +21,7 @@ CONFIG = HybridConfig(
 
 def model(dtype=torch.float64) -> HybridLM:
     torch.manual_seed(0)
-    return HybridLM(CONFIG).to(dtype).eval()
+    return HybridLM(CONFIG).to(device=DEVICE, dtype=dtype).eval()
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -30,7 +32,7 @@ def test_step_logits_equal_the_reference_forward(kernels):
     softmax; a wrong slot or position gives errors of order 1)."""
     dtype = torch.float32 if kernels else torch.float64
     lm = model(dtype)
-    ids = torch.randint(0, 40, (9,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 40, (9,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         full = lm(ids[None])[0]
     decoder = ServingDecoder(lm, max_seqs=3, max_len=16, kernels=kernels, cuda_graph=False)
@@ -38,7 +40,7 @@ def test_step_logits_equal_the_reference_forward(kernels):
     tol = dict(rtol=1e-4, atol=1e-4) if kernels else dict(rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(last, full[4], **tol)
     for t in range(5, 9):
-        logits = decoder.step(ids[t : t + 1], torch.tensor([slot]))
+        logits = decoder.step(ids[t : t + 1], torch.tensor([slot], device=DEVICE))
         torch.testing.assert_close(logits[0], full[t], **tol)
     assert int(decoder.lengths[slot]) == 9
 
@@ -52,7 +54,7 @@ def test_continuous_batching_equals_independent_decoding(kernels):
     lm = model(dtype)
     gen = torch.Generator().manual_seed(2)
     seqs = {
-        name: torch.randint(0, 40, (n,), generator=gen)
+        name: torch.randint(0, 40, (n,), generator=gen).to(DEVICE)
         for name, n in (("a", 9), ("b", 7), ("c", 8), ("d", 6))
     }
     with torch.no_grad():
@@ -71,7 +73,7 @@ def test_continuous_batching_equals_independent_decoding(kernels):
             done[name] = prompt[name]
         names = [n for n in sorted(slot, reverse=step % 2 == 1) if done[n] < len(seqs[n])]
         tokens = torch.stack([seqs[n][done[n]] for n in names])
-        logits = decoder.step(tokens, torch.tensor([slot[n] for n in names]))
+        logits = decoder.step(tokens, torch.tensor([slot[n] for n in names], device=DEVICE))
         for row, n in enumerate(names):
             torch.testing.assert_close(logits[row], alone[n][done[n]], **tol)
             done[n] += 1
@@ -79,7 +81,7 @@ def test_continuous_batching_equals_independent_decoding(kernels):
 
 
 def test_pools_are_preallocated_and_bad_use_is_named():
-    lm = model(torch.float32)
+    lm = model(torch.float32).cpu()
     decoder = ServingDecoder(lm, max_seqs=2, max_len=8, cuda_graph=False)
     before = [t.data_ptr() for pool in decoder.pools for t in pool.values()]
     slot, _ = decoder.add(torch.tensor([1, 2, 3]))
@@ -110,6 +112,7 @@ def test_mla_decode_kernel_equals_the_reference_in_any_split(splits):
     gen = torch.Generator().manual_seed(0)
     q, cache = torch.randn(3, 2, 3, 20, generator=gen), torch.randn(5, 70, 20, generator=gen)
     slots, lengths = torch.tensor([4, 0, 2]), torch.tensor([2, 37, 70], dtype=torch.int32)
+    q, cache, slots, lengths = (t.to(DEVICE) for t in (q, cache, slots, lengths))
     out = mla_absorbed_attention(q, cache, slots, lengths, 0.3, 16, num_splits=splits)
     reference = mla_absorbed_reference(q, cache, slots, lengths, 0.3, 16)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
@@ -129,6 +132,7 @@ def test_fused_recurrent_state_indices_update_only_their_rows():
     v, g = torch.randn(2, 1, 2, 8, generator=gen), -torch.rand(2, 1, 2, 8, generator=gen)
     beta, pool = torch.rand(2, 1, 2, generator=gen), torch.randn(5, 2, 8, 8, generator=gen)
     rows = torch.tensor([3, 0])
+    q, k, v, g, beta, pool, rows = (t.to(DEVICE) for t in (q, k, v, g, beta, pool, rows))
     o_ref, s_ref = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool[rows], output_final_state=True)
     updated = pool.clone()
     o, _ = fused_recurrent_kda(
@@ -150,11 +154,11 @@ def test_append_into_preallocated_rows_equals_the_layer(mode, kernels):
     from kda_edu.mla import MLA
 
     torch.manual_seed(0)
-    layer = MLA(16, CONFIG.mla).eval()
-    x = torch.randn(2, 12, 16)
+    layer = MLA(16, CONFIG.mla).to(DEVICE).eval()
+    x = torch.randn(2, 12, 16).to(DEVICE)
     with torch.no_grad():
         full = layer(x)
-        rows = torch.zeros(2, 20, CONFIG.mla.cache_width)
+        rows = torch.zeros(2, 20, CONFIG.mla.cache_width, device=DEVICE)
         rows[:, :7] = layer.latents(x[:, :7])
     out = mla_append(layer, x[:, 7:], rows, 7, mode, kernels=kernels)
     torch.testing.assert_close(out, full[:, 7:], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,10 @@ latent 512 plus the kept 64-wide rope slot; KDA 32 heads of 128; d_model 2304), 
 - "kda": `KDALayer` continuing from a state (the chunked Triton forward, `chunk_kda`), whose cost does not
   depend on S.
 
+Prefill, for "prefill is linear in the length" (it is, for KDA layers): one fresh prefill of T in {8192,
+32768, 131072} tokens through the KDA layer (mode "kda prefill") and through the MLA layer in MHA mode
+(`mla_append` onto an empty history, mode "mla prefill"), recorded with n = T, S = 0 and the time per token.
+
 The MLA caches are preallocated rows filled with random numbers (the time depends on shapes, not contents)
 into which the append writes. Each point: one untimed call, then `--repeats` calls timed with CUDA events (the
 median counts), then one call between `torch.cuda.reset_peak_memory_stats` and `max_memory_allocated`
@@ -19,7 +23,7 @@ point the FLOP/byte model of `kda_edu.costs` (`mla_token_cost`, `kda_token_cost`
 max(FLOPs / matmul rate, bytes / copy bandwidth), with both rates measured at the start of the same run
 (a bf16 8192^3 matmul; a 2 GiB device copy).
 
-Time. 18 points; the slowest is absorbed mode at n = 4096, S = 131072 (37 TFLOP of attention, tens to
+Time. 18 append points and 6 prefill points; the slowest is absorbed mode at n = 4096, S = 131072 (37 TFLOP of attention, tens to
 hundreds of ms a call); about a minute in all with compilation, under 3 minutes on one H200.
 
     python bench/bench_append_prefill.py                    # GPU; writes $OUT/h200_append_prefill.json
@@ -44,6 +48,7 @@ from kda_edu.mla import MLA, MLAConfig
 FILENAME = "h200_append_prefill.json"
 APPENDED = (64, 512, 4096)
 HISTORIES = (32768, 131072)
+PREFILLS = (8192, 32768, 131072)
 
 
 def sync(device: torch.device) -> None:
@@ -108,14 +113,15 @@ def main() -> None:
 
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
-        d_model, appended, histories, repeats = 32, (4, 16), (64,), 1
+        d_model, appended, histories, prefills, repeats = 32, (4, 16), (64,), (32, 64), 1
         mla_cfg = MLAConfig(num_heads=2, kv_rank=16, qk_head_dim=16, v_head_dim=16, rope_head_dim=8)
         kda_cfg = KDAConfig(num_heads=2, head_dim=16, chunk_size=16)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA GPU: run with --smoke to check the logic on the CPU")
         device, dtype = torch.device("cuda"), torch.bfloat16
-        d_model, appended, histories, repeats = KIMI_LINEAR_48B.d_model, APPENDED, HISTORIES, args.repeats
+        d_model, appended, histories, prefills = KIMI_LINEAR_48B.d_model, APPENDED, HISTORIES, PREFILLS
+        repeats = args.repeats
         mla_cfg, kda_cfg = KIMI_LINEAR_48B.mla, KIMI_LINEAR_48B.kda
     flop_rate, bandwidth = rates(device, args.smoke)
     print(f"matmul {flop_rate / 1e12:.0f} TFLOP/s, copy {bandwidth / 1e12:.2f} TB/s", flush=True)
@@ -184,6 +190,44 @@ def main() -> None:
                         torch.cuda.empty_cache()
                 rows.append(row)
         cache_rows = call = None  # free this history's rows before the next one is allocated
+
+    for T in prefills:
+        x = torch.randn(1, T, d_model, generator=generator, device=device, dtype=dtype)
+        fresh_rows = torch.empty(1, T, mla_cfg.cache_width, device=device, dtype=dtype)
+        calls = {
+            "kda prefill": (
+                lambda x=x: kda(x, cache=kda.new_cache()),
+                kda_token_cost(kda_cfg, d_model, appended=T),
+            ),
+            "mla prefill": (
+                lambda x=x, rows=fresh_rows: mla_append(mla, x, rows, 0, "mha"),
+                mla_token_cost(mla_cfg, d_model, T, "mha", appended=T),
+            ),
+        }
+        for mode, (call, cost) in calls.items():
+            row = {"n": T, "S": 0, "mode": mode}
+            try:
+                with torch.no_grad():
+                    ms = seconds(call, device, repeats) * 1e3
+                    top, extra = peak(call, device)
+                flops, nbytes = cost.flops * T, cost.bytes * T
+                bound_ms = max(flops / flop_rate, nbytes / bandwidth) * 1e3
+                row.update(
+                    ms=ms,
+                    ms_per_token=ms / T,
+                    peak_bytes=top,
+                    peak_extra_bytes=extra,
+                    model_flops=flops,
+                    model_bytes=nbytes,
+                    model_bound_ms=bound_ms,
+                )
+                print(f"prefill T={T:7d} {mode}: {ms:9.3f} ms, {ms / T * 1e3:8.3f} us per token", flush=True)
+            except torch.OutOfMemoryError as error:
+                row["skipped"] = "out of memory: " + str(error).splitlines()[0][:200]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+        x = fresh_rows = calls = call = None
 
     result = {
         "device": torch.cuda.get_device_name(device)

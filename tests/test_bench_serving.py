@@ -32,7 +32,7 @@ def test_decode_serving_smoke(tmp_path, monkeypatch):
 
 def test_append_prefill_smoke(tmp_path, monkeypatch):
     result = run_smoke("bench_append_prefill.py", tmp_path, monkeypatch)
-    assert {row["mode"] for row in result["rows"]} == {"mha", "mqa", "kda"}
+    assert {row["mode"] for row in result["rows"]} == {"mha", "mqa", "kda", "kda prefill", "mla prefill"}
     for row in result["rows"]:
         assert {"n", "S", "mode", "ms", "peak_bytes"} <= set(row) and row["ms"] > 0
         assert row["model_flops"] > 0 and row["model_bound_ms"] > 0

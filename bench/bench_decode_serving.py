@@ -21,7 +21,7 @@ the sum of the step's kernel durations under `torch.profiler` (goal: graph step 
 
 Time. 30 points; the largest move about 100 GB per step (all-MLA at 1M, about 10 sequences), about 25 ms
 at 4 TB/s, so timing is short; filling the pools with random numbers and compiling the kernels (a few shapes)
-dominate. Expected 1-2 minutes on one H200; after `--time-limit-s` (150 s) the remaining points are recorded
+dominate. Expected 1-2 minutes on one H200; after `--time-limit-s` (130 s) the remaining points are recorded
 as skipped. A point that runs out of memory is skipped and the run goes on.
 
     python bench/bench_decode_serving.py                     # GPU; writes $OUT/h200_decode_serving.json
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument(
         "--memory-fraction", type=float, default=0.85, help="of the free memory for the pools"
     )
-    parser.add_argument("--time-limit-s", type=float, default=150.0)
+    parser.add_argument("--time-limit-s", type=float, default=130.0)
     args = parser.parse_args()
     began = time.perf_counter()
     out_dir = args.out or Path(os.environ.get("OUT", "."))

@@ -17,15 +17,35 @@ to a context that then holds `context_len` tokens; work done once per call (expa
 cache or the state) is divided over the appended tokens. The attention of the appended tokens is counted
 over the whole `context_len` keys, as our layers compute it (masked scores included).
 
-`rope_head_dim` lets the MLA counts describe DeepSeek-style MLA, where each head's key also has a decoupled
-RoPE part of that width, shared by all heads and cached beside the latent. Our MLA is NoPE (`rope_head_dim=0`).
+The MLA counts follow `MLAConfig.rope_head_dim` (d_r): each head's query and key have d_r numbers beside d_k,
+the key part shared by all heads and cached beside the latent. DeepSeek rotates that slot (RoPE); Kimi Linear
+keeps it and never rotates it (NoPE); the cost is the same. `KIMI_LINEAR_48B` is Kimi Linear's published
+attention layout, `attention_flops_per_position` the attention FLOPs per cached position of either MLA mode,
+and `counted_attention_flops_per_position` the same number counted by `FlopCounterMode` on a live layer.
 """
 
 from dataclasses import dataclass, field
 
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
 from kda_edu.kda_layer import KDAConfig
-from kda_edu.mla import MLAConfig
+from kda_edu.mla import MLA, MLAConfig
 from kda_edu.model import HybridConfig
+
+# Kimi Linear 48B's mixers, from its published config: 27 layers, full attention (MLA) at layers 4, 8, ..., 24
+# and 27 (7 of 27, one-based), KDA at the other 20; width 2304, vocabulary 163840. MLA: 32 heads, latent 512,
+# nope/rope/v head widths 128/64/128, the 64-wide slot kept and never rotated, no query LoRA. KDA: 32 heads
+# of 128, convolution 4. The feed-forward layers (a mixture of 256 experts) are not modelled: they change
+# neither the caches nor the attention FLOPs.
+KIMI_LINEAR_48B = HybridConfig(
+    vocab_size=163840,
+    d_model=2304,
+    n_layers=27,
+    layer_pattern="KKKA" * 6 + "KKA",
+    kda=KDAConfig(num_heads=32, head_dim=128, conv_size=4),
+    mla=MLAConfig(num_heads=32, kv_rank=512, qk_head_dim=128, v_head_dim=128, rope_head_dim=64),
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +78,7 @@ def mla_token_cost(
     context_len: int,
     mode: str,
     appended: int = 1,
-    rope_head_dim: int = 0,
+    rope_head_dim: int | None = None,
     dtype_bytes: int = 2,
 ) -> TokenCost:
     """FLOPs and bytes per appended token of an MLA layer in MHA or MQA mode.
@@ -79,13 +99,14 @@ def mla_token_cost(
         context_len: S, tokens in the context after the append (appended ones included).
         mode: `"mha"` or `"mqa"`.
         appended: n, tokens appended in one call.
-        rope_head_dim: d_r, 0 for our NoPE MLA.
+        rope_head_dim: d_r; None takes `config.rope_head_dim`.
         dtype_bytes: bytes per cached number (2 for bf16).
     """
     _check_lengths(context_len, appended)
     if mode not in ("mha", "mqa"):
         raise ValueError(f"mode must be 'mha' or 'mqa', got {mode!r}")
-    H, r, dk, dv, dr = config.num_heads, config.kv_rank, config.qk_head_dim, config.v_head_dim, rope_head_dim
+    dr = config.rope_head_dim if rope_head_dim is None else rope_head_dim
+    H, r, dk, dv = config.num_heads, config.kv_rank, config.qk_head_dim, config.v_head_dim
     S, n, D, b = context_len, appended, d_model, dtype_bytes
     gate = H * dv if config.output_gate else 0
     parts = {"projections": 2 * D * (H * (dk + dr) + r + dr + gate) + 2 * H * dv * D}
@@ -154,16 +175,57 @@ def cache_bytes(config: HybridConfig, context_len: int, batch_size: int = 1, dty
     """Bytes a `HybridLM`'s cache holds after `context_len` tokens, by layer kind: `{"kda": ..., "mla": ...}`.
 
     KDA layers hold a fixed `(W - 1) C` window (`dtype_bytes` each) and `HV K V` state (float32, or 8 bytes
-    each for a float64 model, `dtype_bytes = 8`); MLA layers hold `context_len` latents of width r.
+    each for a float64 model, `dtype_bytes = 8`); MLA layers hold `context_len` rows of width r + d_r.
     This is the formula; `HybridCache.nbytes_by_kind()` measures a live cache (they agree, tested).
     """
     kda, mla = config.kda, config.mla
     state_bytes = max(dtype_bytes, 4)
     per_kda = (kda.conv_size - 1) * (2 * kda.num_heads * kda.head_dim + kda.hv * kda.v_dim) * dtype_bytes
     per_kda += kda.hv * kda.head_dim * kda.v_dim * state_bytes
-    per_mla = context_len * mla.kv_rank * dtype_bytes
+    per_mla = context_len * mla.cache_width * dtype_bytes
     kinds = config.layer_kinds
     return {
         "kda": batch_size * kinds.count("K") * per_kda,
         "mla": batch_size * kinds.count("A") * per_mla,
     }
+
+
+def attention_flops_per_position(config: MLAConfig, mode: str) -> int:
+    """Attention FLOPs one query token spends per cached position, all heads, from the config alone.
+
+    MHA mode: scores over `d_k + d_r`, values of `d_v`: `2 H (d_k + d_r + d_v)`. MQA (absorbed) mode: scores
+    over the cached row `r + d_r`, values are its first r numbers: `2 H (r + d_r + r)`. (MHA mode's expansion
+    of the latents is not attention; `mla_token_cost` counts it apart.) Kimi Linear: 1088 / 320 = 3.4.
+    """
+    if mode not in ("mha", "mqa"):
+        raise ValueError(f"mode must be 'mha' or 'mqa', got {mode!r}")
+    H, r, dr = config.num_heads, config.kv_rank, config.rope_head_dim
+    per_head = config.qk_head_dim + dr + config.v_head_dim if mode == "mha" else 2 * r + dr
+    return 2 * H * per_head
+
+
+def counted_attention_flops_per_position(
+    config: MLAConfig, d_model: int, mode: str, contexts=(64, 128)
+) -> float:
+    """`attention_flops_per_position`, counted: `FlopCounterMode` over one decoded token of a live `MLA`
+    layer after two context lengths, minus the FLOPs of the layer's own linear maps (projections, and MHA
+    mode's expansion of the latents), divided by the difference in length.
+
+    The layer is built on PyTorch's "meta" device, which runs shapes without numbers, so Kimi's real widths
+    cost nothing to count.
+    """
+    counts = []
+    with torch.device("meta"):
+        layer = MLA(d_model, config)
+        for S in contexts:
+            cache = layer.new_cache()
+            cache.latent = torch.empty(1, S, config.cache_width)
+            with FlopCounterMode(display=False) as counter, torch.no_grad():
+                layer(torch.empty(1, 1, d_model), cache=cache, mode=mode)
+            linear = sum(
+                sum(ops.values())
+                for name, ops in counter.get_flop_counts().items()
+                if name.count(".") == 1  # "MLA.q_proj" and the like: the layer's submodules
+            )
+            counts.append(counter.get_total_flops() - linear)
+    return (counts[1] - counts[0]) / (contexts[1] - contexts[0])

@@ -17,13 +17,15 @@ from kda_edu.model import HybridConfig
 
 
 def mla_parameters(d_model: int, config: MLAConfig) -> dict[str, int]:
-    """Parameters of an `MLA` layer by part: with width D, H heads of widths d_k, d_v and latent width r,
-    queries `D H d_k`, latent down-projection `D r` and its RMSNorm `r`, key and value up-projections
-    `r H (d_k + d_v)`, the optional output gate `D H d_v`, the output projection `H d_v D`."""
+    """Parameters of an `MLA` layer by part: with width D, H heads of widths d_k (+ d_r, the shared key slot),
+    d_v and latent width r, queries `D H (d_k + d_r)`, latent and slot down-projection `D (r + d_r)` and the
+    latent's RMSNorm `r`, key and value up-projections `r H (d_k + d_v)`, the optional output gate `D H d_v`,
+    the output projection `H d_v D`."""
     D, H, r, dk, dv = d_model, config.num_heads, config.kv_rank, config.qk_head_dim, config.v_head_dim
+    dr = config.rope_head_dim
     parts = {
-        "queries": D * H * dk,
-        "latent (down + norm)": D * r + r,
+        "queries": D * H * (dk + dr),
+        "latent (down + norm)": D * (r + dr) + r,
         "key/value up-projections": r * H * (dk + dv),
         "output projection": H * dv * D,
     }

@@ -82,3 +82,37 @@ def test_cache_bytes_formula_matches_live_caches(dtype):
         model(torch.randint(0, 30, (3, 9)), cache=cache)
     expected = cache_bytes(config, context_len=9, batch_size=3, dtype_bytes=torch.finfo(dtype).bits // 8)
     assert cache.nbytes_by_kind() == expected
+
+
+@pytest.mark.parametrize("mode", ["mha", "mqa"])
+def test_kimi_linear_attention_flops_per_position_are_what_torch_counts(mode):
+    """Kimi Linear 48B's MLA (H = 32, r = 512, d_k/d_r/d_v = 128/64/128): FlopCounterMode over a live layer
+    (meta device) gives the formula's FLOPs per cached position, and the two modes' ratio is 1088 / 320."""
+    from kda_edu.costs import (
+        KIMI_LINEAR_48B,
+        attention_flops_per_position,
+        counted_attention_flops_per_position,
+    )
+
+    config = KIMI_LINEAR_48B.mla
+    counted = counted_attention_flops_per_position(config, KIMI_LINEAR_48B.d_model, mode)
+    assert counted == pytest.approx(attention_flops_per_position(config, mode))
+    ratio = attention_flops_per_position(config, "mqa") / attention_flops_per_position(config, "mha")
+    assert ratio == pytest.approx(1088 / 320)
+    assert config.cache_width == 576 and KIMI_LINEAR_48B.layer_kinds.count("A") == 7
+
+
+def test_cache_bytes_count_the_kept_rope_slot():
+    config = HybridConfig(
+        vocab_size=30,
+        d_model=16,
+        n_layers=2,
+        layer_pattern="KA",
+        kda=KDAConfig(num_heads=2, head_dim=8),
+        mla=MLAConfig(num_heads=2, kv_rank=12, qk_head_dim=8, v_head_dim=8, rope_head_dim=4),
+    )
+    model = HybridLM(config)
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 30, (1, 7)), cache=cache)
+    assert cache.nbytes_by_kind()["mla"] == cache_bytes(config, 7)["mla"] == 7 * (12 + 4) * 4

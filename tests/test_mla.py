@@ -168,3 +168,41 @@ def test_output_gate_multiplies_each_channel_by_its_sigmoid():
     handle.remove()
     expected = (seen["o"] * torch.sigmoid(gated.gate_proj(x))) @ plain.o_proj.weight.T
     torch.testing.assert_close(gated(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def make_rope_slot_layer(seed: int = 0) -> MLA:
+    torch.manual_seed(seed)
+    config = MLAConfig(num_heads=3, kv_rank=16, qk_head_dim=8, v_head_dim=6, rope_head_dim=4)
+    return MLA(D, config).double()
+
+
+def test_kept_rope_slot_modes_agree_and_decoding_equals_full_forward():
+    """Kimi's layout: a 4-wide shared key slot beside the 16-wide latent, never rotated. Both modes and
+    token-by-token decoding give the full forward's output (float64, 1e-10)."""
+    layer = make_rope_slot_layer()
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    full = layer(x, mode="mha")
+    torch.testing.assert_close(layer(x, mode="mqa"), full, rtol=1e-10, atol=1e-10)
+    cache = layer.new_cache()
+    steps = [layer(x[:, :3], cache=cache)] + [layer(x[:, t : t + 1], cache=cache) for t in range(3, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-10, atol=1e-10)
+    assert cache.latent.shape == (2, 9, 16 + 4) and layer.config.cache_width == 20
+
+
+def test_kept_rope_slot_changes_the_scores():
+    """The slot is used: zeroing the slot's down-projection rows changes the output (it is not dead weight),
+    while the latent's RMSNorm sees only the first r numbers (scaling the slot rows leaves the latent part of
+    the cache unchanged)."""
+    layer = make_rope_slot_layer()
+    x = torch.randn(1, 6, D, dtype=torch.float64)
+    before, latents = layer(x), layer.latents(x)
+    with torch.no_grad():
+        layer.kv_down.weight[16:] *= 3.0
+    torch.testing.assert_close(layer.latents(x)[..., :16], latents[..., :16], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.latents(x)[..., 16:], 3.0 * latents[..., 16:], rtol=1e-12, atol=1e-12)
+    assert (layer(x) - before).abs().max() > 1e-3
+
+
+def test_negative_rope_head_dim_is_named():
+    with pytest.raises(ValueError, match="MLAConfig.rope_head_dim must be >= 0"):
+        MLAConfig(rope_head_dim=-1)

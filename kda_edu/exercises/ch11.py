@@ -84,7 +84,7 @@ def check_mqa_over_mha(fn) -> str:
             f"ratio is {want:.4f}, you said {got}. Hint: count one multiply-add per number of the key for the "
             "score and one per number of the value for the weighted sum; in MQA mode both are the latent.",
         )
-    return passed("DeepSeek-V3's dimensions give (2 * 512 + 64) / (128 + 64 + 128) = 3.4.")
+    return passed("DeepSeek-V3's and Kimi Linear's dimensions give (2 * 512 + 64) / (128 + 64 + 128) = 3.4.")
 
 
 # Exercise 3: greedy decoding through the cache.

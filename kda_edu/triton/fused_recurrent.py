@@ -49,6 +49,7 @@ def _fused_recurrent_kda_kernel(
     h0_ptr,
     ht_ptr,
     cu_seqlens_ptr,
+    state_idx_ptr,
     scale,
     T,
     H: tl.constexpr,
@@ -60,6 +61,7 @@ def _fused_recurrent_kda_kernel(
     HAS_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_STATE_INDICES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -84,7 +86,12 @@ def _fused_recurrent_kda_kernel(
 
     # The state tile [BK, BV]; padded rows and columns stay exactly zero throughout, since the
     # masked loads below fill k, q and v with zeros there.
-    state_offs = i_nh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    # With state indices, sequence i_n's state is row state_idx[i_n] of a pool (continuous batching).
+    if HAS_STATE_INDICES:
+        i_state = tl.load(state_idx_ptr + i_n).to(tl.int64) * HV + i_hv
+    else:
+        i_state = i_nh.to(tl.int64)
+    state_offs = i_state * K * V + offs_k[:, None] * V + offs_v[None, :]
     if HAS_INITIAL_STATE:
         S = tl.load(h0_ptr + state_offs, mask=mask_kv, other=0.0)
     else:
@@ -170,7 +177,9 @@ def _check_varlen_state(initial_state, N: int, HV: int, K: int, V: int, device: 
         raise ValueError(f"initial_state must be on q's device ({device}), got {initial_state.device}")
 
 
-def _fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps):
+def _fused_recurrent_fwd(
+    q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps, state_indices=None
+):
     """Launch the kernel on validated, contiguous inputs; write o and (if given) final_state."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -190,6 +199,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, cu
         initial_state,
         final_state,
         cu_seqlens,
+        state_indices,
         scale,
         T,
         H=H,
@@ -201,6 +211,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, scale, initial_state, final_state, cu
         HAS_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final_state is not None,
         IS_VARLEN=cu_seqlens is not None,
+        HAS_STATE_INDICES=state_indices is not None,
         num_warps=num_warps,
     )
     return o
@@ -217,6 +228,7 @@ def fused_recurrent_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     inplace_final_state: bool = False,
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA, token by token, in one Triton kernel: the decoding path.
 
@@ -240,6 +252,11 @@ def fused_recurrent_kda(
             tensor. ``initial_state`` must then be an fp32 contiguous tensor; it is modified,
             and the returned ``final_state`` IS that tensor (same storage), whatever
             ``output_final_state`` says. Meant for decoding loops that keep one state buffer.
+        state_indices: int32/int64 ``[N]``: sequence ``i``'s state is row ``state_indices[i]`` of
+            ``initial_state``, a pool ``[P, HV, K, V]`` of any size P, read and overwritten in place
+            (needs ``inplace_final_state=True``; vLLM's state indices for continuous batching).
+            The indices are not checked against P (that would cost a host sync); they must be
+            distinct and in ``[0, P)``.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the inputs' dtype; ``final_state`` as
@@ -257,8 +274,9 @@ def fused_recurrent_kda(
     """
     # Shapes, dtypes and devices only: checking g <= 0 and beta in [0, 1] would cost a
     # device-to-host sync per call, longer than the decoding step itself.
+    pooled = state_indices is not None
     B, T, H, HV, K, V = check_kda_inputs(
-        q, k, v, g, beta, initial_state if cu_seqlens is None else None, check_values=False
+        q, k, v, g, beta, initial_state if cu_seqlens is None and not pooled else None, check_values=False
     )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
@@ -279,8 +297,10 @@ def fused_recurrent_kda(
     else:
         N = _validate_cu_seqlens(cu_seqlens, B, T, q.device)
         cu_seqlens = cu_seqlens.contiguous()
-        if initial_state is not None:
+        if initial_state is not None and not pooled:
             _check_varlen_state(initial_state, N, HV, K, V, q.device)
+    if pooled:
+        _check_state_pool(state_indices, initial_state, inplace_final_state, N, HV, K, V, q.device)
     if inplace_final_state:
         if initial_state is None:
             raise ValueError("inplace_final_state=True needs an initial_state to write the final state into")
@@ -302,10 +322,32 @@ def fused_recurrent_kda(
         return FusedRecurrentKDAFunction.apply(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
         )
-    return _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens)
+    return _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, state_indices)
 
 
-def _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens):
+def _check_state_pool(state_indices, pool, inplace, N: int, HV: int, K: int, V: int, device) -> None:
+    """With state indices, initial_state is a pool `[P, HV, K, V]` updated in place, one index per sequence."""
+    if not isinstance(state_indices, torch.Tensor):
+        raise TypeError(f"state_indices must be a torch.Tensor, got {type(state_indices).__name__}")
+    if state_indices.dtype not in (torch.int32, torch.int64) or tuple(state_indices.shape) != (N,):
+        raise ValueError(
+            f"state_indices must be int32 or int64 of shape [N] = [{N}], one pool row per sequence, got "
+            f"{tuple(state_indices.shape)} {state_indices.dtype}"
+        )
+    if state_indices.device != device or not state_indices.is_contiguous():
+        raise ValueError(f"state_indices must be contiguous and on q's device ({device})")
+    if not inplace or not isinstance(pool, torch.Tensor):
+        raise ValueError("state_indices needs the pool as initial_state and inplace_final_state=True")
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, K, V) or pool.dtype != torch.float32:
+        raise ValueError(
+            f"with state_indices, initial_state must be a float32 pool [P, HV, K, V] with (HV, K, V) = "
+            f"{(HV, K, V)}, got {tuple(pool.shape)} {pool.dtype}"
+        )
+    if pool.device != device:
+        raise ValueError(f"initial_state must be on q's device ({device}), got {pool.device}")
+
+
+def _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, state_indices=None):
     """Pick the launch configuration and run the kernel on contiguous copies of the inputs."""
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     block_v, num_warps = _default_config(q.shape[3], v.shape[3], N * v.shape[2], q.device)
@@ -313,7 +355,7 @@ def _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens):
         num_warps = 1
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = _fused_recurrent_fwd(
-        q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps
+        q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, block_v, num_warps, state_indices
     )
     return o, final_state
 

@@ -20,7 +20,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kda_edu._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu._checks import (
+    GATE_FLOOR,
+    check_chunk_size,
+    check_kda_inputs,
+    clamp_gates,
+    compute_dtype,
+    resolve_scale,
+)
 from kda_edu._chunks import from_chunks, to_chunks
 
 # ---------------------------------------------------------------------------------------------------------
@@ -256,7 +263,12 @@ def anchored_exponents(gc: torch.Tensor, start: int, stop: int) -> tuple[torch.T
 
 
 def intra_chunk_matrices(
-    q: torch.Tensor, k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, sub_chunk: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gc: torch.Tensor,
+    beta: torch.Tensor,
+    sub_chunk: int,
+    resets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two C x C matrices of a chunk, as matrix products over row blocks of `sub_chunk` steps.
 
@@ -267,9 +279,15 @@ def intra_chunk_matrices(
     `(k_rows * exp(row)) @ (k_cols * exp(col))^T`. With `sub_chunk >= C` there is one block anchored at the
     chunk start: the naive factorisation `exp(gc_i) * exp(-gc_j)`, whose second factor overflows.
 
+    Resets: a step whose decay is exactly 0 (a gate at or below `kda_edu._checks.GATE_FLOOR`) inside a row
+    block would need a column factor of at least exp(105), an overflow. With `resets` given, each stretch
+    of a block between two resets (per channel) is its own product, anchored at the reset that starts it;
+    a decay across a reset is 0, so the stretches add up to the block. The exponents are computed in gc's
+    dtype and rounded to k's only after `exp`.
+
     Args:
         q, k: `[..., C, K]` (q already scaled). gc: within-chunk cumulative log decay `[..., C, K]`.
-        beta: `[..., C]`. sub_chunk: rows per block.
+        beta: `[..., C]`. sub_chunk: rows per block. resets: optional bool `[..., C, K]`, the reset steps.
 
     Returns:
         `(A, Aqk)`, each `[..., C, C]`.
@@ -279,10 +297,20 @@ def intra_chunk_matrices(
     Aqk = torch.zeros_like(A)
     for start in range(0, C, sub_chunk):
         stop = min(start + sub_chunk, C)
-        row, col = anchored_exponents(gc, start, stop)
-        keys_t = (k[..., :stop, :] * col.exp()).transpose(-1, -2)
-        A[..., start:stop, :stop] = (k[..., start:stop, :] * row.exp()) @ keys_t
-        Aqk[..., start:stop, :stop] = (q[..., start:stop, :] * row.exp()) @ keys_t
+        gc_rows = gc[..., start:stop, :]
+        stretch = torch.zeros_like(gc_rows) if resets is None else resets[..., start:stop, :].cumsum(dim=-2)
+        for s in range(int(stretch.max()) + 1):  # stretch 0 is the whole block when it holds no reset
+            row, col = anchored_exponents(gc, start, stop)
+            if s > 0:  # anchor at the s-th reset of the block: gc there is the largest of its stretch
+                at = gc_rows.masked_fill(stretch != s, -math.inf).amax(dim=-2, keepdim=True)
+                at = at.nan_to_num(neginf=0.0)  # channels with fewer resets: every entry is masked below
+                row, col = gc_rows - at, at - gc[..., :stop, :]
+                col[..., :start, :] = -math.inf  # columns before the block: across the reset, decay 0
+            row = row.masked_fill(stretch != s, -math.inf)
+            col[..., start:, :] = col[..., start:, :].masked_fill(stretch != s, -math.inf)
+            keys_t = (k[..., :stop, :] * col.exp().to(k.dtype)).transpose(-1, -2)
+            A[..., start:stop, :stop] += (k[..., start:stop, :] * row.exp().to(k.dtype)) @ keys_t
+            Aqk[..., start:stop, :stop] += (q[..., start:stop, :] * row.exp().to(q.dtype)) @ keys_t
     return beta[..., None] * A.tril(-1), Aqk.tril()
 
 
@@ -295,9 +323,9 @@ def state_passing(q, k, gc, Aqk, w, u, state):
         S  <- Diag(exp(gc_C)) S + (K * exp(gc_C - gc))^T U
     Every exponent here is <= 0: gc is non-increasing within a chunk.
     """
-    reads = q * gc.exp()
-    writes = (k * (gc[..., -1:, :] - gc).exp()).transpose(-1, -2)
-    carry = gc[..., -1, :, None].exp()
+    reads = q * gc.exp().to(q.dtype)  # exponents in gc's dtype, rounded after exp (kda_chunked_matmul)
+    writes = (k * (gc[..., -1:, :] - gc).exp().to(k.dtype)).transpose(-1, -2)
+    carry = gc[..., -1, :, None].exp().to(state.dtype)
     outputs = []
     for n in range(q.shape[-3]):
         U = u[..., n, :, :] - w[..., n, :, :] @ state
@@ -325,7 +353,9 @@ def kda_chunked_matmul(
     `[w, u] = (I + A)^-1 Diag(beta) [K * exp(gc), V]`; (4) `state_passing` over the chunks.
 
     The decays inside a chunk are split into two factors at an anchor every `sub_chunk` rows, so the
-    largest exponent evaluated is about `sub_chunk * |min g|`. `sub_chunk = chunk_size` is the naive
+    largest exponent evaluated is about `sub_chunk * |min g|` over the gates above `GATE_FLOOR`: gates at or
+    below it (down to -inf) are resets, raised to the floor, with a stretch of their own in
+    `intra_chunk_matrices`; gc and its differences are float64 until `exp`. `sub_chunk = chunk_size` is the naive
     split at the chunk start: with gates near -5 and 64-step chunks it overflows float32 and returns
     inf/NaN. `kda_edu.kda.kda_chunked` never evaluates a positive exponent.
 
@@ -339,9 +369,10 @@ def kda_chunked_matmul(
     k_c = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)
     v_c, g_c, beta_c = (to_chunks(x, C, dtype) for x in (v, g, beta))
 
-    gc = g_c.cumsum(dim=-2)  # (1)
-    A, Aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, c)  # (2)
-    w, u = ut_transform(A, beta_c[..., None] * torch.cat([k_c * gc.exp(), v_c], dim=-1)).split(
+    g_c = clamp_gates(g_c)  # resets (down to -inf) at GATE_FLOOR: -inf - (-inf) would be NaN
+    gc = g_c.double().cumsum(dim=-2)  # (1) in float64: the sums of resets (~-105 each) must not round
+    A, Aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, c, resets=g_c <= GATE_FLOOR[dtype])  # (2)
+    w, u = ut_transform(A, beta_c[..., None] * torch.cat([k_c * gc.exp().to(dtype), v_c], dim=-1)).split(
         [K, V], -1
     )  # (3)
     state = q_c.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from fla.ops.kda.naive import naive_recurrent_kda
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from reference_inputs import (
     EDGE_CASES,
     TOL,
@@ -31,6 +31,9 @@ def assert_kda_forms_agree(case: dict, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @settings(max_examples=40, deadline=None)
 @given(case=shapes())
+# A final state of 5.3e-4 from terms whose sizes add up to 4.0e-2: 1.7e-5 in float32 relative to the state,
+# 2.3e-7 relative to the terms (assert_forms_agree measures against the sum of absolute contributions).
+@example(case=dict(B=1, T=7, H=1, HV=1, K=1, V=1, chunk_size=3, with_state=False, seed=53))
 def test_chunked_equals_recurrent_sweep(case, dtype):
     assert_kda_forms_agree(case, dtype)
 

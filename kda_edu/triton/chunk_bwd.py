@@ -65,6 +65,10 @@ recomputed locally: they are stored for the duration of the backward only, in th
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
 before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use
 the middle-row anchor when the gates allow it and the exact pairwise form otherwise (see chunk.py).
+Rounding: kernels 5 and 6 take each exponent as a sum of consecutive gates (the gates before a row, after it
+up to the chunk's end or a block boundary, between two rows of a block), never as the difference of two
+cumsums: after a reset (a gate at GATE_FLOOR, -151 in base 2) two cumsums are both large and their difference
+keeps only ~1e-5 of its value, a relative error of that size in every decay after the reset.
 """
 
 import torch
@@ -91,26 +95,31 @@ from kda_edu.triton.chunk import (  # the chunk size too: keep_intermediates han
 
 
 @triton.jit
-def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.constexpr):
     """Backward of the diagonal blocks of both Gram matrices (A: rows beta k; Aqk: rows scale q; columns k),
-    for masked dA and dQ: returns d(beta k), d(scale q) and the column-side dk of the two together."""
-    mid, span = _diag_span(gc_a, BC)
+    for masked dA and dQ: returns d(beta k), d(scale q) and the column-side dk of the two together.
+
+    g_a: the block's base-2 gates. The decay of pair (i, j) is 2^(gates j+1 .. i); the anchored form takes it
+    as a difference of the cumsum of gates 1 .. i (row 0's gate, a reset there included, never enters a pair),
+    the pairwise form as a sum of the gates themselves, so that a reset inside the block costs no precision."""
+    rc = tl.arange(0, BC)
+    lx = tl.cumsum(tl.where((rc > 0)[:, None], g_a, 0.0), axis=0)
+    mid, span = _diag_span(lx, BC)
     if span <= _DIAG_LIMIT:
-        row_f = tl.exp2(gc_a - mid[None, :])
-        k_col = k_a * tl.exp2(mid[None, :] - gc_a)
+        row_f = tl.exp2(lx - mid[None, :])
+        k_col = k_a * tl.exp2(mid[None, :] - lx)
         da_kk = tl.dot(dA, k_col, input_precision=PREC) * row_f
         da_qk = tl.dot(dQ, k_col, input_precision=PREC) * row_f
         db = tl.dot(tl.trans(dA), bk_a * row_f, input_precision=PREC)
-        db = (db + tl.dot(tl.trans(dQ), qs_a * row_f, input_precision=PREC)) * tl.exp2(mid[None, :] - gc_a)
-    else:  # exact pairwise form, one column j at a time: e_ij = exp(gc_i - gc_j), exponent clipped at 0
-        rc = tl.arange(0, BC)
+        db = (db + tl.dot(tl.trans(dQ), qs_a * row_f, input_precision=PREC)) * tl.exp2(mid[None, :] - lx)
+    else:  # exact pairwise form, one column j at a time: e_ij = 2^(gates j+1 .. i), 1 for i <= j
         da_kk = tl.zeros(k_a.shape, dtype=tl.float32)
         da_qk = tl.zeros(k_a.shape, dtype=tl.float32)
         db = tl.zeros(k_a.shape, dtype=tl.float32)
         for j in range(BC):
             pick = (rc == j)[:, None]
             kj = tl.sum(tl.where(pick, k_a, 0.0), axis=0)[None, :]
-            e = tl.exp2(tl.minimum(gc_a - tl.sum(tl.where(pick, gc_a, 0.0), axis=0)[None, :], 0.0))
+            e = tl.exp2(tl.cumsum(tl.where((rc > j)[:, None], g_a, 0.0), axis=0))
             ea = e * tl.sum(tl.where(rc[None, :] == j, dA, 0.0), axis=1)[:, None]  # column j of dA
             eq = e * tl.sum(tl.where(rc[None, :] == j, dQ, 0.0), axis=1)[:, None]
             da_kk += ea * kj
@@ -298,13 +307,20 @@ def _local_v_kernel(
     # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
     k_all = _load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)
     qs = _load_rows(q + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32) * scale
-    gc = tl.cumsum(_gates(_load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t)), axis=0)
-    gc_end = tl.sum(tl.where((rows == BT - 1)[:, None], gc, 0.0), axis=0)
+    g_h = g + t0 * HV * K + i_hv * K
+    g_c = _gates(_load_rows(g_h, rows, HV * K, ck, K, n_t))
+    gc = tl.cumsum(g_c, axis=0)
+    gc_end = tl.sum(g_c, axis=0)
+    # gc_end - gc_i, the gates after row i, as a reverse cumsum of the next rows' gates: as a difference of
+    # two cumsums it would carry their rounding (~1e-4 of an exponent once a reset of -1000 is in both).
+    # (n_t counts to the sequence's end: row BT of the chunk is the next chunk's first.)
+    g_next = _gates(_load_rows(g_h, rows + 1, HV * K, ck, K, n_t))
+    after = tl.cumsum(tl.where((rows < BT - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
     w_c = tl.load(w + r * BKP + ck[None, :]).to(tl.float32)
     dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
     dM_kk += tl.dot(dwp, tl.trans(w_c), input_precision=PREC)
     eg = tl.exp2(gc)
-    ed = tl.exp2(gc_end[None, :] - gc)
+    ed = tl.exp2(after)
     kg = k_all * eg
     db += tl.sum(dwp * kg, axis=1)
     dkg = beta_all[:, None] * dwp
@@ -366,25 +382,27 @@ def _local_k_kernel(
     c = (i_hv * NCH + i_c).to(tl.int64)
 
     k_all = _load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
-    gc = tl.cumsum(_gates(_load_rows(g_h, rows, HV * K, ck, K, n_t)), axis=0)
 
     acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
     acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
     acc_dgc = tl.zeros([BT, BK], dtype=tl.float32)
     acc_db = tl.zeros([BT], dtype=tl.float32)
     db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
-    start = tl.zeros([BK], dtype=tl.float32)
+    # Every decay below is 2^(a sum of consecutive gates), taken as such a sum (never as the difference of two
+    # cumsums, which after a reset of -1000 would both be ~-1440 and carry ~1e-4 of an exponent in rounding).
+    # col_x: for the rows j before block a, the gates after j up to block a's start (built block by block).
+    col_x = tl.zeros([BT, BK], dtype=tl.float32)
     for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
         ta = a * BC + rc
         k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
-        gc_a = start[None, :] + tl.cumsum(g_a, axis=0)
         bk_a = beta_a[:, None] * k_a
         m_rows = (c * BT + a * BC + rc)[:, None] * BT
         # Columns before the block, anchored at its start boundary (all zero for a = 0).
         dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
         dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
-        row_f = tl.exp2(gc_a - start[None, :])
-        col_f = tl.exp2(tl.where((rows < a * BC)[:, None], start[None, :] - gc, float("-inf")))
+        row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
+        before = (rows < a * BC)[:, None]
+        col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
         k_col = k_all * col_f
         da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
         da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
@@ -394,14 +412,18 @@ def _local_k_kernel(
         )
         dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
         dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
-        da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, gc_a, BC, PREC)
+        da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
         da_kk += da_d
         da_qk += dq_d
         acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
         acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
         acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
         acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
-        start += tl.sum(g_a, axis=0)
+        # Rows before block a take its gate sum; block a's rows the gates after them within the block.
+        g_next = _gates(_load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
+        after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
+        col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
+        col_x += _rows_of_block(after_a, a, NB, BC, BK)
 
     k_off = t0 * HV * K + i_hv * K
     kt = rows[:, None] * HV * K + ck[None, :]
@@ -418,7 +440,7 @@ def _local_k_kernel(
     end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
     d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
-    dg = tl.sum(d, axis=0)[None, :] - tl.cumsum(d, axis=0) + d
+    dg = tl.cumsum(d, axis=0, reverse=True)
     # A gate below GATE_FLOOR was raised to it (`_gates`): the output does not depend on it, dg = 0.
     below = _load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) < _FLOOR
     tl.store(dg_p, tl.where(below, 0.0, dg), mask=km)

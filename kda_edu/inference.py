@@ -25,9 +25,10 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kda_edu.attention import MQA_SLICE_NUMBERS
 from kda_edu.costs import cache_bytes
 from kda_edu.kda_layer import KDACache
-from kda_edu.mla import MQA_SLICE_NUMBERS, MLACache
+from kda_edu.mla import MLACache
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
 
 # Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).

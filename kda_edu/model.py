@@ -30,6 +30,7 @@ from kda_edu.attn_residuals import DepthAttention, DepthStream
 from kda_edu.ffn import FFNConfig, LatentMoE, MoE, SwiGLU, build_ffn
 from kda_edu.kda_layer import KDACache, KDAConfig, KDALayer
 from kda_edu.mla import MLA, MLACache, MLAConfig
+from kda_edu.varlen import check_attention_mask, check_cu_seqlens, repad, unpad
 
 HYBRID = "KKKA"
 PURE_KDA = "K"
@@ -161,27 +162,42 @@ class HybridCache:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: a sequence mixer (KDA or MLA), then a feed-forward layer.
+    """Pre-norm residual block: `x + mixer(RMSNorm(x))`, then `x + ffn(RMSNorm(x))`.
+
+    The block of every model here: `HybridLM` (a `KDALayer` or an `MLA` mixer) and
+    `kda_edu.mixers.RecallLM` (a `TokenMixer`).
 
     Args:
-        config: the model's `HybridConfig`.
-        kind: "K" for a KDA mixer, "A" for an MLA mixer.
-        dense: use a dense SwiGLU of width `config.ffn.hidden` whatever `config.ffn` asks for.
+        d_model: D.
+        mixer: a sequence mixer `[B, T, D] -> [B, T, D]`; one that keeps a cache takes it as `cache=`.
+        ffn: a feed-forward layer `[B, T, D] -> [B, T, D]`.
+        norm_eps: epsilon of the two RMSNorms.
     """
 
-    def __init__(self, config: HybridConfig, kind: str, dense: bool = False):
+    def __init__(self, d_model: int, mixer: nn.Module, ffn: nn.Module, norm_eps: float):
         super().__init__()
-        d = config.d_model
-        self.kind = kind
-        self.mixer_norm = nn.RMSNorm(d, eps=config.norm_eps)
-        self.mixer = KDALayer(d, config.kda) if kind == "K" else MLA(d, config.mla)
-        self.ffn_norm = nn.RMSNorm(d, eps=config.norm_eps)
-        self.ffn = SwiGLU(d, config.ffn.hidden) if dense else build_ffn(d, config.ffn)
+        self.mixer_norm = nn.RMSNorm(d_model, eps=norm_eps)
+        self.mixer = mixer
+        self.ffn_norm = nn.RMSNorm(d_model, eps=norm_eps)
+        self.ffn = ffn
 
-    def forward(self, x: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
-        """x `[B, T, D]` -> `[B, T, D]`; the mixer reads and advances `cache` when given."""
-        x = x + self.mixer(self.mixer_norm(x), cache=cache)
+    def forward(self, x: torch.Tensor, cache=None, **mixer_kwargs) -> torch.Tensor:
+        """x `[B, T, D]` -> `[B, T, D]`; the mixer reads and advances `cache` when given, and gets
+        `mixer_kwargs` (masks, sequence boundaries) as they are."""
+        h = self.mixer_norm(x)
+        x = x + (
+            self.mixer(h, **mixer_kwargs) if cache is None else self.mixer(h, cache=cache, **mixer_kwargs)
+        )
         return x + self.ffn(self.ffn_norm(x))
+
+
+def hybrid_block(config: HybridConfig, kind: str, dense: bool = False) -> Block:
+    """A block of a `HybridLM`: a `KDALayer` ("K") or an `MLA` ("A") mixer, and a dense SwiGLU of width
+    `config.ffn.hidden` when `dense`, else the feed-forward layer `config.ffn` asks for."""
+    d = config.d_model
+    mixer = KDALayer(d, config.kda) if kind == "K" else MLA(d, config.mla)
+    ffn = SwiGLU(d, config.ffn.hidden) if dense else build_ffn(d, config.ffn)
+    return Block(d, mixer, ffn, config.norm_eps)
 
 
 class HybridLM(nn.Module):
@@ -198,7 +214,8 @@ class HybridLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(
-            Block(config, kind, dense=i < config.dense_layers) for i, kind in enumerate(config.layer_kinds)
+            hybrid_block(config, kind, dense=i < config.dense_layers)
+            for i, kind in enumerate(config.layer_kinds)
         )
         # One pseudo-query per sublayer and one for the output head, when the residuals attend over depth.
         self.depth = (
@@ -256,13 +273,24 @@ class HybridLM(nn.Module):
         """An empty cache with one layer cache per block."""
         return HybridCache([block.mixer.new_cache() for block in self.blocks])
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits for every position.
 
         Args:
             input_ids: token ids `[B, T]`, int64, in `[0, vocab_size)`.
             cache: None for a self-contained sequence; otherwise a `HybridCache` from `new_cache()`, which
                 holds the tokens before input_ids and is advanced past them in place.
+            attention_mask: `[B, T]` padding mask, 1 for a token, 0 for padding (`kda_edu.varlen`): each row
+                is the sequence of its tokens (the ids at the padding must still be valid ids); the logits
+                at the padding are zero. Not with a cache.
+            cu_seqlens: int32/int64 `[N + 1]`: input_ids `[1, T]` holds N sequences packed along T, each run
+                as if alone. Not with a cache.
 
         Returns:
             logits `[B, T, vocab_size]` in the model's dtype.
@@ -270,27 +298,47 @@ class HybridLM(nn.Module):
         self._check_ids(input_ids)
         if cache is not None:
             self._check_cache(cache)
+            if attention_mask is not None or cu_seqlens is not None:
+                raise ValueError(
+                    "cu_seqlens and attention_mask run self-contained sequences: pass cache=None"
+                )
+        B, T = input_ids.shape
+        if attention_mask is not None:
+            if cu_seqlens is not None:
+                raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
+            mask = check_attention_mask(attention_mask, B, T, input_ids.device)
+            packed, indices, cu = unpad(input_ids, mask)
+            return repad(self._logits(packed, None, cu_seqlens=cu), indices, B, T)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, B, T, input_ids.device)
+            return self._logits(input_ids, None, cu_seqlens=cu_seqlens)
         return self._logits(input_ids, cache)
 
-    def _logits(self, input_ids: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
+    def _logits(
+        self, input_ids: torch.Tensor, cache: HybridCache | None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`forward` without the input checks (which cost a device-to-host sync per call on a GPU)."""
         x = self.embed(input_ids)
         if self.depth is not None:
-            return self.lm_head(self.norm(self.depth_residuals(x, cache)[0]))
+            return self.lm_head(self.norm(self.depth_residuals(x, cache, cu_seqlens=cu_seqlens)[0]))
+        kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         for i, block in enumerate(self.blocks):
-            x = block(x, cache=None if cache is None else cache.layers[i])
+            x = block(x, cache=None if cache is None else cache.layers[i], **kwargs)
         return self.lm_head(self.norm(x))
 
     def depth_residuals(
-        self, x: torch.Tensor, cache: HybridCache | None = None
+        self, x: torch.Tensor, cache: HybridCache | None = None, cu_seqlens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, DepthStream]:
         """The blocks with attention residuals: embeddings x `[B, T, D]` -> (the output head's input `[B, T, D]`,
         the `DepthStream` of the pass, which records the sources it kept). Every sublayer reads the softmax
-        mixture of the sources its pseudo-query asks for, and its output joins the sources."""
+        mixture of the sources its pseudo-query asks for, and its output joins the sources. `cu_seqlens` as
+        in `forward`."""
         stream = DepthStream(x, self.config.depth_block_size)
+        kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         for i, block in enumerate(self.blocks):
             h = self.depth[2 * i](stream.sources())
-            stream.add(block.mixer(block.mixer_norm(h), cache=None if cache is None else cache.layers[i]))
+            layer_cache = None if cache is None else cache.layers[i]
+            stream.add(block.mixer(block.mixer_norm(h), cache=layer_cache, **kwargs))
             h = self.depth[2 * i + 1](stream.sources())
             stream.add(block.ffn(block.ffn_norm(h)))
         return self.depth[-1](stream.sources()), stream

@@ -258,6 +258,20 @@ class HybridLM(nn.Module):
             for linear in writers:
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
 
+    def save_pretrained(self, directory) -> None:
+        """Write `config.json` and `model.safetensors` into `directory` (created if needed);
+        `kda_edu.checkpoint.save_pretrained`."""
+        from kda_edu.checkpoint import save_pretrained  # imported on use: checkpoint imports this module
+
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, device="cpu") -> "HybridLM":
+        """The model saved by `save_pretrained` in `directory`; `kda_edu.checkpoint.from_pretrained`."""
+        from kda_edu.checkpoint import from_pretrained
+
+        return from_pretrained(directory, device)
+
     def num_parameters(self) -> int:
         """Number of trainable numbers (a tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
@@ -351,21 +365,28 @@ class HybridLM(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        """Continue every sequence by `max_new_tokens` tokens, one forward step per token through a cache.
+        """Continue every sequence by up to `max_new_tokens` tokens, one forward step per token through a cache.
 
         The prompt is processed in one call (chunked KDA, MHA-mode MLA); each new token then costs one
         decoding step (recurrent KDA step, MQA-mode MLA).
 
         Args:
             input_ids: prompts `[B, T]`, int64.
-            max_new_tokens: how many tokens to add, >= 0.
+            max_new_tokens: how many tokens to add at most, >= 0.
             temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`.
             top_k: when sampling, only the k most likely tokens can be drawn; None means all.
             generator: the random generator for sampling (for reproducible samples).
+            eos_token_id: an end-of-sequence id (or a list of them): a sequence that produces one is finished,
+                and every later position of it holds `pad_token_id`. Generation stops early once every
+                sequence is finished. None: always `max_new_tokens` tokens.
+            pad_token_id: what follows a finished sequence's end; None means the (first) eos_token_id.
 
         Returns:
-            `[B, T + max_new_tokens]`: the prompts followed by the generated tokens.
+            `[B, T + n]`: the prompts followed by the generated tokens, n <= max_new_tokens (n <
+            max_new_tokens only when every sequence ended early).
         """
         self._check_ids(input_ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -374,17 +395,51 @@ class HybridLM(nn.Module):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        eos = self._check_special_ids(eos_token_id, pad_token_id)
         if max_new_tokens == 0:
             return input_ids
+        pad = None if eos is None else (eos[0] if pad_token_id is None else pad_token_id)
         tokens = [input_ids]
         cache = self.new_cache()
+        finished = torch.zeros(input_ids.shape[0], 1, dtype=torch.bool, device=input_ids.device)
         logits = self._logits(input_ids, cache)[:, -1]
         for i in range(max_new_tokens):
             next_id = _pick(logits, temperature, top_k, generator)  # [B, 1]
+            if eos is not None:
+                next_id = next_id.masked_fill(finished, pad)
+                finished |= torch.isin(next_id, eos)
             tokens.append(next_id)
-            if i + 1 < max_new_tokens:
-                logits = self._logits(next_id, cache)[:, -1]
+            if i + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
+                break
+            logits = self._logits(next_id, cache)[:, -1]
         return torch.cat(tokens, dim=1)
+
+    def _check_special_ids(self, eos_token_id, pad_token_id) -> torch.Tensor | None:
+        """eos_token_id as a 1-D int64 tensor on the model's device (None stays None), after checking both ids."""
+        vocab = self.config.vocab_size
+
+        def is_id(t) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
+        if pad_token_id is not None and not is_id(pad_token_id):
+            raise ValueError(
+                f"pad_token_id must be None or an int in [0, vocab_size = {vocab}), got {pad_token_id!r}"
+            )
+        if eos_token_id is None:
+            if pad_token_id is not None:
+                raise ValueError("pad_token_id needs an eos_token_id (it fills the positions after one)")
+            return None
+        ids = (
+            [eos_token_id]
+            if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool)
+            else eos_token_id
+        )
+        if not isinstance(ids, (list, tuple)) or not ids or not all(is_id(t) for t in ids):
+            raise ValueError(
+                f"eos_token_id must be None, an int or a non-empty list of ints in [0, vocab_size = {vocab}), "
+                f"got {eos_token_id!r}"
+            )
+        return torch.tensor(ids, dtype=torch.long, device=self.embed.weight.device)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:

@@ -139,7 +139,8 @@ class KDACache:
             C = 2 H K + HV V (q, k and v channels side by side); None before the first call.
         state: the recurrent state `[B, HV, K, V]`, float32 (float64 for a float64 model); None before the
             first call.
-        seq_len: tokens seen so far.
+        seq_len: tokens seen so far (the longest sequence's count, or the columns of a padded batch, when
+            the sequences differ in length).
     """
 
     def __init__(self):
@@ -291,9 +292,13 @@ class KDALayer(nn.Module):
                 state after the tokens before x and is advanced past x in place. With a cache and T = 1 the
                 layer takes one recurrent step; otherwise it runs the chunked form.
             cu_seqlens: int32/int64 `[N + 1]`: x `[1, T, D]` holds N sequences packed along T, each run as if
-                alone (`kda_edu.varlen`); not with a cache.
+                alone (`kda_edu.varlen`). With an empty cache, the cache then holds the N sequences as a batch
+                of N (for decoding them together); not with a cache that holds tokens.
             attention_mask: `[B, T]` padding mask, 1 for a token, 0 for padding (`kda_edu.varlen`): each row
-                is the sequence of its tokens, and the output is zero at the padding; not with a cache.
+                is the sequence of its tokens, and the output is zero at the padding. With an empty cache, the
+                cache then holds each row's state after its last token. With a cache that holds S tokens the
+                mask may span them too (`[B, S + T]`, as a generation loop keeps it): its last T columns must
+                then be all 1 (padding only in the first call).
 
         Returns:
             `[B, T, D]` in x's dtype.
@@ -308,16 +313,29 @@ class KDALayer(nn.Module):
                 f"x has batch size {x.shape[0]} but the cache holds batch size {cache.state.shape[0]}"
             )
         B, T, _ = x.shape
-        if cache is not None and (cu_seqlens is not None or attention_mask is not None):
-            raise ValueError("cu_seqlens and attention_mask run self-contained sequences: pass cache=None")
+        if attention_mask is not None and cu_seqlens is not None:
+            raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
+        if attention_mask is not None and cache is not None and cache.seq_len > 0:
+            S = cache.seq_len
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape[-1] not in (T, S + T):
+                raise ValueError(
+                    f"with a cache of S = {S} tokens, attention_mask must be [B, T] or [B, S + T] = "
+                    f"({B}, {S + T}), got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
+                )
+            if not bool(check_attention_mask(attention_mask[:, -T:], B, T, x.device).all()):
+                raise ValueError("attention_mask may mark padding only in the first call of a cache")
+            attention_mask = None
+        if cu_seqlens is not None and cache is not None and cache.seq_len > 0:
+            raise ValueError("cu_seqlens starts new sequences: pass cache=None or an empty cache")
         if attention_mask is not None:
-            if cu_seqlens is not None:
-                raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
             packed, indices, cu = unpad(x, check_attention_mask(attention_mask, B, T, x.device))
-            return repad(self._mix(packed, None, (cu, cu.tolist())), indices, B, T)
+            y = repad(self._mix(packed, cache, (cu, cu.tolist())), indices, B, T)
+            if cache is not None:
+                cache.seq_len = T  # the columns of the padded batch, which a growing mask counts
+            return y
         if cu_seqlens is not None:
             cu_list = check_cu_seqlens(cu_seqlens, B, T, x.device)
-            return self._mix(x, None, (cu_seqlens, cu_list))
+            return self._mix(x, cache, (cu_seqlens, cu_list))
         return self._mix(x, cache, None)
 
     def _mix(self, x: torch.Tensor, cache: KDACache | None, varlen) -> torch.Tensor:
@@ -326,9 +344,11 @@ class KDALayer(nn.Module):
         B, T, _ = x.shape
         H, HV, K, V = cfg.num_heads, cfg.hv, cfg.head_dim, cfg.v_dim
 
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         window = None if cache is None else cache.conv_window
-        qkv, window = self.conv(qkv, window, cu_seqlens=None if varlen is None else varlen[1])
+        qkv, window = self.conv(qkv_in, window, cu_seqlens=None if varlen is None else varlen[1])
+        if varlen is not None and cache is not None:  # each sequence's own last W - 1 inputs
+            window = _last_inputs(qkv_in, varlen[1], cfg.conv_size - 1)
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
@@ -345,6 +365,13 @@ class KDALayer(nn.Module):
             o, _ = self._prefill(
                 q, k, v, g, beta, initial_state=None, output_final_state=False, varlen=varlen
             )
+        elif varlen is not None:  # an empty cache: it will hold the N sequences as a batch of N
+            o, state = self._prefill(
+                q, k, v, g, beta, initial_state=None, output_final_state=True, varlen=varlen
+            )
+            cu = varlen[1]
+            cache.conv_window, cache.state = window, state
+            cache.seq_len = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))  # forward corrects it
         else:
             if T == 1:
                 state = cache.state
@@ -378,14 +405,21 @@ class KDALayer(nn.Module):
                 check_inputs=False,
             )
             return o.to(q.dtype), state
-        if varlen is not None:  # no initial or final state here (forward allows no cache with cu_seqlens)
-            cu = varlen[1]
-            parts = [
-                kda_chunked(*(t[:, a:b] for t in (q, k, v, g, beta)), chunk_size=self.config.chunk_size)[0]
-                for a, b in zip(cu[:-1], cu[1:], strict=True)
-                if b > a
-            ]
-            return torch.cat(parts, dim=1), None
+        if varlen is not None:  # each sequence from a zero state (forward allows only an empty cache here)
+            cu, outs, states = varlen[1], [], []
+            HV, K, V = g.shape[2], g.shape[3], v.shape[3]
+            for a, b in zip(cu[:-1], cu[1:], strict=True):
+                if b > a:
+                    o, state = kda_chunked(
+                        *(t[:, a:b] for t in (q, k, v, g, beta)),
+                        output_final_state=output_final_state,
+                        chunk_size=self.config.chunk_size,
+                    )
+                    outs.append(o)
+                else:
+                    state = q.new_zeros(1, HV, K, V, dtype=compute_dtype(q.dtype))
+                states.append(state)
+            return torch.cat(outs, dim=1), torch.cat(states) if output_final_state else None
         return kda_chunked(
             q,
             k,
@@ -406,3 +440,14 @@ class KDALayer(nn.Module):
 
             return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
         return kda_step(q, k, v, g, beta, state)
+
+
+def _last_inputs(x: torch.Tensor, cu_seqlens: list[int], n: int) -> torch.Tensor:
+    """The last n inputs of every packed sequence, zeros in front of a shorter one: x `[1, T, C]` ->
+    `[N, n, C]`, the convolution windows of the sequences as a batch."""
+    windows = x.new_zeros(len(cu_seqlens) - 1, n, x.shape[-1])
+    for i, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)):
+        m = min(n, b - a)
+        if m:
+            windows[i, n - m :] = x[0, b - m : b]
+    return windows

@@ -108,11 +108,56 @@ def test_bad_masks_and_lengths_are_named():
         layer(x, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at T = 5"):
         layer(x[:1], cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
-    with pytest.raises(ValueError, match="pass cache=None"):
-        layer(x, cache=layer.new_cache(), attention_mask=torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="not both"):
         model(
             torch.zeros(1, 5, dtype=torch.long),
             attention_mask=torch.ones(1, 5),
             cu_seqlens=torch.tensor([0, 5]),
         )
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_prefill_into_an_empty_cache_then_decoding(side):
+    """A padded prompt batch prefilled into an empty cache leaves each row's own state and convolution window:
+    decoding on from it equals running every sequence alone (float64: rounding only)."""
+    layer = _kda().double()
+    lengths, T = [6, 1, 4], 6
+    torch.manual_seed(5)
+    x = torch.randn(3, T + 3, D, dtype=torch.float64)  # T prompt positions, then 3 decoded tokens
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1 if side == "right" else 0
+        if side == "left":
+            mask[i, T - n :] = 1
+    cache = layer.new_cache()
+    layer(x[:, :T], cache=cache, attention_mask=mask)
+    steps = []
+    for t in range(T, T + 3):
+        full_mask = torch.cat(
+            [mask, torch.ones(3, t - T + 1, dtype=torch.long)], dim=1
+        )  # as generate keeps it
+        steps.append(layer(x[:, t : t + 1], cache=cache, attention_mask=full_mask))
+    steps = torch.cat(steps, dim=1)
+    for i in range(3):
+        alone = torch.cat([x[i : i + 1, :T][:, mask[i].bool()], x[i : i + 1, T:]], dim=1)
+        torch.testing.assert_close(steps[i], layer(alone)[0, -3:], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="padding only in the first call"):
+        layer(x[:, :1], cache=cache, attention_mask=torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_packed_prefill_into_an_empty_cache_decodes_the_sequences_as_a_batch():
+    layer = _kda().double()
+    x, cu = _packed([3, 7, 2])
+    cache = layer.new_cache()
+    layer(x, cache=cache, cu_seqlens=cu)
+    assert cache.state.shape[0] == 3 and cache.conv_window.shape[0] == 3
+    nxt = torch.randn(3, 1, D, dtype=torch.float64)
+    got = layer(nxt, cache=cache)
+    c = cu.tolist()
+    for i, (a, b) in enumerate(zip(c[:-1], c[1:], strict=True)):
+        alone = layer(torch.cat([x[:, a:b], nxt[i : i + 1]], dim=1))[0, -1]
+        torch.testing.assert_close(got[i, 0], alone, rtol=1e-10, atol=1e-10)
+    used = layer.new_cache()
+    layer(x[:, :2], cache=used)
+    with pytest.raises(ValueError, match="cu_seqlens starts new sequences"):
+        layer(x, cache=used, cu_seqlens=cu)

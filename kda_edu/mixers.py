@@ -163,10 +163,10 @@ class TokenMixer(nn.Module):
     def reset_gate_parameters(self) -> None:
         """As `KDALayer` (`kda_edu.kda_layer.init_gate_parameters`, softplus gate): step sizes log-uniform in
         [0.001, 0.1] (through `dt_bias`), rates `exp(A_log)` uniform in [1, 16], so the heads start with a
-        spread of memory lengths."""
+        spread of memory lengths. Kinds without a decay have nothing to initialise."""
         if self.kda is not None:
             self.kda.reset_gate_parameters()
-        else:
+        elif hasattr(self, "A_log"):
             init_gate_parameters(self.A_log, self.dt_bias, "softplus")
 
     @property

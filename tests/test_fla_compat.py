@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_kda_layer import _pin_fla_autotuners
+from test_kda_layer import pin_fla_autotuners
 
 from kda_edu.fla_compat import KimiDeltaAttention, from_fla_state_dict, to_fla_state_dict
 from kda_edu.kda_layer import KDACache, KDAConfig, KDALayer
@@ -21,7 +21,7 @@ def _fla_layer(seed: int, **kwargs):
     from kda_edu._backend import interpreting
 
     if interpreting():
-        _pin_fla_autotuners()
+        pin_fla_autotuners()
     torch.manual_seed(seed)
     theirs = fla_layers.KimiDeltaAttention(mode="fused_recurrent", **kwargs)
     with torch.no_grad():  # fla's init leaves the output-gate bias and norm at 0 and 1: make them matter

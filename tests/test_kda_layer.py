@@ -136,7 +136,7 @@ def test_bad_inputs_and_configs_are_named():
 # --- fla's KimiDeltaAttention as an independent oracle ------------------------------------------------------
 
 
-def _pin_fla_autotuners() -> None:
+def pin_fla_autotuners() -> None:
     """Give every autotuned fla kernel a single config.
 
     Under Triton's CPU interpreter an autotuner with several configs tries to benchmark them and fails
@@ -163,7 +163,7 @@ def _fla_copy(ours: KDALayer, mode: str):
     from kda_edu._backend import interpreting
 
     if interpreting():
-        _pin_fla_autotuners()
+        pin_fla_autotuners()
     cfg = ours.config
     theirs = fla_layers.KimiDeltaAttention(
         hidden_size=D,

@@ -65,9 +65,10 @@ def test_padded_batch_equals_sequences_one_by_one(make, side):
 def test_packed_sequences_through_the_triton_kernel():
     """backend="triton" hands cu_seqlens to chunk_kda (the interpreter here, float32); it agrees with the
     PyTorch path sequence by sequence to 1e-5 relative (exact float32 products, different order)."""
-    x, cu = _packed([7, 3, 12], dtype=torch.float32)
-    got = _kda("triton")(x, cu_seqlens=cu)
-    expected = _kda("torch")(x, cu_seqlens=cu)
+    x, cu = _packed([7, 3, 5], dtype=torch.float32)
+    with torch.no_grad():
+        got = _kda("triton")(x, cu_seqlens=cu)
+        expected = _kda("torch")(x, cu_seqlens=cu)
     assert (got - expected).norm() <= 1e-5 * expected.norm()
 
 

@@ -236,10 +236,12 @@ def test_matches_fla_kimi_delta_attention_chunk():
     not torch.cuda.is_available(), reason="the Triton kernels of kda_edu.triton run on CUDA only"
 )
 def test_triton_kernels_on_cuda_match_the_pytorch_path():
-    """Without gradients a CUDA layer runs chunk_kda (prefill) and fused_recurrent_kda (decoding steps)."""
+    """A CUDA layer (backend "auto") runs chunk_kda (prefill) and fused_recurrent_kda (decoding steps)."""
     layer = make_layer(seed=5, head_dim=16, v_head_dim=16, num_v_heads=4, chunk_size=64).cuda()
     x = torch.randn(2, 70, D, device="cuda")
-    reference = layer(x)  # gradients on: the PyTorch kda_chunked, on the GPU
+    torch_twin = make_layer(seed=5, head_dim=16, v_head_dim=16, num_v_heads=4, chunk_size=64, backend="torch")
+    torch_twin.load_state_dict(layer.state_dict())
+    reference = torch_twin.cuda()(x)  # the PyTorch kda_chunked, on the GPU
     with torch.no_grad():
         full = layer(x)  # chunk_kda
         cache = layer.new_cache()

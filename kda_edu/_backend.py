@@ -1,7 +1,16 @@
-"""Choose how Triton runs before Triton is imported.
+"""Where the KDA recurrence runs: the one backend switch of the package, and how Triton is set up.
+
+A layer that runs the KDA recurrence (`kda_edu.kda_layer.KDALayer`, `kda_edu.mixers.TokenMixer`) has a
+`backend` in its config, one of `BACKENDS`, and asks `use_triton(backend, x)` on every call:
+
+    "auto"    the Triton kernels of `kda_edu.triton` where they run compiled (x on a CUDA GPU, in a 16- or
+              32-bit float dtype, interpreter off); the PyTorch forms of `kda_edu.kda` everywhere else
+    "torch"   always the PyTorch forms
+    "triton"  always the kernels; on a CPU that is Triton's interpreter (slow: for tests and for reading),
+              and where they cannot run at all the kernels' device check raises a ValueError saying why
 
 Triton decides once, at import time, whether it compiles kernels for a GPU or runs them
-through its Python interpreter (``TRITON_INTERPRET=1``). This module makes that choice for
+through its Python interpreter (``TRITON_INTERPRET=1``). `configure` makes that choice for
 ``kda_edu.triton``: on a machine without a CUDA GPU it turns the interpreter on, so every
 kernel in the book also runs on a laptop CPU (slowly, at small sizes).
 """
@@ -18,6 +27,25 @@ _HELP = (
     "(in a notebook: `%env TRITON_INTERPRET=1` in the first cell), or import kda_edu.triton "
     "before anything that imports triton, then restart the kernel."
 )
+
+
+BACKENDS = ("auto", "torch", "triton")
+KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_backend(backend, owner: str) -> None:
+    """Raise a ValueError naming `owner` (e.g. "KDAConfig.backend") unless backend is one of `BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{owner} must be one of {BACKENDS}, got {backend!r}")
+
+
+def use_triton(backend: str, x: torch.Tensor) -> bool:
+    """True when the recurrence on x (the queries, say) runs in the Triton kernels under `backend`."""
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    return x.is_cuda and x.dtype in KERNEL_FLOATS and not interpreting()
 
 
 def interpreting() -> bool:

@@ -4,7 +4,8 @@ For each value head, query t attends to every key s <= t:
 
     o_t = sum_{s <= t} softmax_s(scale q_t . k_s) v_s
 
-`softmax_attention` computes all T outputs at once (a `[T, T]` score matrix per head);
+`softmax_attention` computes all T outputs at once (a `[T, T]` score matrix per head) with `causal_attention`,
+which MLA (`kda_edu.mla`) uses too;
 `softmax_attention_step` is the decoding form, which appends one key and value to a cache and attends over
 everything cached. The cache grows by one entry per token, which is the cost the later chapters remove.
 
@@ -17,23 +18,53 @@ import torch
 
 from kda_edu._checks import check_kda_inputs, compute_dtype, resolve_scale
 
+# With one key/value head shared by all query heads, the keys and values are converted to float32 at most this
+# many numbers at a time (256 MiB), so an MLA decoding step never holds a float32 copy of a whole (bf16) cache.
+MQA_SLICE_NUMBERS = 2**26
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention of the last Tq positions over all Tk keys.
 
-    q `[B, Tq, H, K]`, k `[B, Tk, H, K]`, v `[B, Tk, HV, V]`, Tq <= Tk: query i sits at position
-    `Tk - Tq + i` and sees the keys up to it. Returns `[B, Tq, HV, V]` in q's dtype.
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Causal softmax attention of the last Tq positions over all Tk keys, the one softmax attention of kda_edu.
+
+    q `[B, Tq, H, K]`, k `[B, Tk, Hk, K]`, v `[B, Tk, HV, V]`, Tq <= Tk: query i sits at position
+    `Tk - Tq + i` and sees the keys up to it. Two head layouts:
+
+    - Hk = H and HV a multiple of H: value head j uses the weights of query/key head `j // (HV // H)`;
+      returns `[B, Tq, HV, V]`.
+    - Hk = HV = 1 < H (multi-query attention, MLA's decoding form): the one key/value head is shared by all H
+      query heads; returns `[B, Tq, H, V]`. The query heads are folded into the query rows, `[B, Tq H, K] @
+      [B, K, Tk]`, so the shared head is read as it is (a broadcasting matmul would copy it once per query
+      head), in two passes (scores, then the weighted sum) over slices of at most `MQA_SLICE_NUMBERS` numbers,
+      each converted to float32 on its own.
+
+    Computed in float32 (float64 for float64 inputs); returned in `out_dtype`, q's dtype when None.
     """
-    Tq, Tk, H, HV = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    B, Tq, H, _ = q.shape
+    Tk, Hk, HV = k.shape[1], k.shape[2], v.shape[2]
     dtype = compute_dtype(q.dtype)
-    scores = scale * torch.einsum("bihk,bjhk->bhij", q.to(dtype), k.to(dtype))  # [B, H, Tq, Tk]
     query_pos = torch.arange(Tk - Tq, Tk, device=q.device)
     visible = torch.arange(Tk, device=q.device) <= query_pos[:, None]  # [Tq, Tk]
+    if Hk == 1 and H > 1:  # one key/value head shared by all query heads
+        keys, values = k[:, :, 0], v[:, :, 0]  # [B, Tk, K], [B, Tk, V]
+        rows = q.to(dtype).reshape(B, Tq * H, -1) * scale  # [B, Tq H, K]: query heads as rows
+        width = max(1, MQA_SLICE_NUMBERS // (B * max(keys.shape[-1], values.shape[-1])))  # positions a slice
+        slices = [slice(s, min(s + width, Tk)) for s in range(0, Tk, width)]
+        scores = rows.new_empty(B, Tq * H, Tk)
+        for part in slices:
+            scores[:, :, part] = torch.bmm(rows, keys[:, part].to(dtype).transpose(1, 2))
+        scores = scores.view(B, Tq, H, Tk).masked_fill_(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(B, Tq * H, Tk)
+        del scores
+        out = sum(torch.bmm(probs[:, :, part], values[:, part].to(dtype)) for part in slices)
+        return out.view(B, Tq, H, -1).to(out_dtype or q.dtype)
+    scores = scale * torch.einsum("bihk,bjhk->bhij", q.to(dtype), k.to(dtype))  # [B, H, Tq, Tk]
     scores = scores.masked_fill(~visible, float("-inf"))
     p = scores.softmax(dim=-1)  # [B, H, Tq, Tk]
     if HV != H:  # value heads share a query/key head: copy its weights once per value head, [B, HV, Tq, Tk]
         p = p.repeat_interleave(HV // H, dim=1)
-    return torch.einsum("bhij,bjhv->bihv", p, v.to(dtype)).to(q.dtype)
+    return torch.einsum("bhij,bjhv->bihv", p, v.to(dtype)).to(out_dtype or q.dtype)
 
 
 def softmax_attention(
@@ -54,7 +85,7 @@ def softmax_attention(
         o `[B, T, HV, V]` in q's dtype.
     """
     K = check_kda_inputs(q, k, v, None, None, gate=None, with_beta=False)[4]
-    return _attend(q, k, v, resolve_scale(scale, K))
+    return causal_attention(q, k, v, resolve_scale(scale, K))
 
 
 def softmax_attention_step(
@@ -108,4 +139,4 @@ def softmax_attention_step(
                 f"{v_cache.shape[1]}"
             )
         k, v = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
-    return _attend(q, k, v, resolve_scale(scale, K)), (k, v)
+    return causal_attention(q, k, v, resolve_scale(scale, K)), (k, v)

@@ -7,6 +7,11 @@ the wrong shape, or (for `load_weights`) a config that differs from the model's.
 
 A tied output projection shares its storage with the embedding, so it is stored once, under the embedding's
 name.
+
+`save_pretrained(model, directory)` / `from_pretrained(directory)` keep the layout of Hugging Face model
+directories: `config.json` (the `HybridConfig`, readable without any library) beside `model.safetensors` (the
+checkpoint above). `from_pretrained` builds the model from `config.json` and refuses a `model.safetensors`
+whose own config differs from it.
 """
 
 import json
@@ -148,3 +153,42 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{k}"] = v
     return flat
+
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+def save_pretrained(model: HybridLM, directory: str | os.PathLike) -> None:
+    """Write `directory/config.json` and `directory/model.safetensors` (creating the directory if needed,
+    overwriting both files)."""
+    if not isinstance(model, HybridLM):
+        raise TypeError(f"model must be a HybridLM, got {type(model).__name__}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_NAME).write_text(
+        json.dumps({"format": FORMAT, **model.config.to_dict()}, indent=2) + "\n"
+    )
+    save_checkpoint(model, directory / WEIGHTS_NAME)
+
+
+def from_pretrained(directory: str | os.PathLike, device: str | torch.device = "cpu") -> HybridLM:
+    """The `HybridLM` that `save_pretrained` wrote to `directory`, on `device`.
+
+    Raises:
+        FileNotFoundError: `config.json` or `model.safetensors` is missing.
+        CheckpointError: config.json is not a kda_edu config, or the weights were saved from another config.
+    """
+    directory = Path(directory)
+    config_path = directory / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}")
+    try:
+        d = json.loads(config_path.read_text())
+        if not isinstance(d, dict) or d.pop("format", None) != FORMAT:
+            raise ValueError(f'it needs "format": {FORMAT!r}')
+        config = HybridConfig.from_dict(d)
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_path} is not a valid kda_edu config: {e}") from e
+    model = HybridLM(config)
+    load_weights(model, directory / WEIGHTS_NAME)
+    return model.to(device)

@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kda_edu.attention import MQA_SLICE_NUMBERS
 from kda_edu.costs import cache_bytes
 from kda_edu.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.kda import kda_step
 from kda_edu.kda_layer import KDACache
-from kda_edu.mla import MQA_SLICE_NUMBERS, MLACache, mla_absorbed_reference
+from kda_edu.mla import MLACache, mla_absorbed_reference
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
 
 # Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).

@@ -22,9 +22,10 @@ matrices of rank <= R; the full matrix can express any, at `D HV K` parameters i
 For decoding, a `KDACache` keeps what the next token needs: the last `conv_size - 1` inputs of the
 convolution and the recurrent state `[B, HV, K, V]`. Both have a fixed size, whatever the context length.
 
-On a CUDA device, when no gradient is needed, the recurrence runs in `kda_edu.triton.chunk_kda` /
-`fused_recurrent_kda`; otherwise in the PyTorch `kda_chunked` / `kda_step`. The kernels do have a backward
-(chapter 9); routing this layer's training through it is not done yet, so training uses the PyTorch path.
+`KDAConfig.backend` picks where the recurrence runs (`kda_edu._backend.use_triton`): by default in the Triton
+kernels on a CUDA GPU (`kda_edu.triton.chunk_kda`, whose backward of chapter 9 gives the gradients in
+training; `fused_recurrent_kda` for a decoding step without gradients) and in the PyTorch `kda_chunked` /
+`kda_step` elsewhere.
 """
 
 import math
@@ -34,9 +35,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kda_edu._backend import check_backend, use_triton
 from kda_edu._checks import compute_dtype
 from kda_edu.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.kda import kda_chunked, kda_step
+from kda_edu.varlen import check_attention_mask, check_cu_seqlens, positions_in_sequence, repad, unpad
 
 
 @dataclass
@@ -55,8 +58,12 @@ class KDAConfig:
         gate_rank: inner width of the low-rank decay and output-gate projections; None means V.
         full_rank: which gate projections are one full matrix instead of a low-rank pair: `"none"`,
             `"decay"`, `"output"` or `"both"`.
-        chunk_size: chunk length of the chunked form (prefill and training).
+        chunk_size: chunk length of the chunked PyTorch form (the Triton kernel's chunk is always 64).
         norm_eps: epsilon of the per-head gated RMSNorm on the output.
+        backend: where the recurrence runs, one of `kda_edu._backend.BACKENDS`: `"auto"` (the Triton kernels
+            on a CUDA GPU, PyTorch elsewhere), `"torch"` or `"triton"` (on a CPU: Triton's interpreter).
+        kernel_dtype: the dtype q, k and v are cast to for the Triton kernels (`"float32"`, `"bfloat16"` or
+            `"float16"`; g and beta are not cast, the output is cast back); None keeps the layer's dtype.
     """
 
     num_heads: int = 4
@@ -70,8 +77,15 @@ class KDAConfig:
     full_rank: str = "none"
     chunk_size: int = 64
     norm_eps: float = 1e-5
+    backend: str = "auto"
+    kernel_dtype: str | None = None
 
     def __post_init__(self):
+        check_backend(self.backend, "KDAConfig.backend")
+        if self.kernel_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"KDAConfig.kernel_dtype must be None, 'float32', 'bfloat16' or 'float16', got {self.kernel_dtype!r}"
+            )
         for name in ("num_heads", "head_dim", "conv_size", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KDAConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -125,7 +139,8 @@ class KDACache:
             C = 2 H K + HV V (q, k and v channels side by side); None before the first call.
         state: the recurrent state `[B, HV, K, V]`, float32 (float64 for a float64 model); None before the
             first call.
-        seq_len: tokens seen so far.
+        seq_len: tokens seen so far (the longest sequence's count, or the columns of a padded batch, when
+            the sequences differ in length).
     """
 
     def __init__(self):
@@ -156,13 +171,15 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel_size).uniform_(-bound, bound))
 
     def forward(
-        self, x: torch.Tensor, window: torch.Tensor | None = None
+        self, x: torch.Tensor, window: torch.Tensor | None = None, cu_seqlens: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Convolve x, continuing from `window`.
 
         Args:
             x: `[B, T, C]`.
             window: the `W - 1` inputs before x, `[B, W - 1, C]`; None means zeros (start of a sequence).
+            cu_seqlens: None, or the cumulative lengths (a list of ints, `kda_edu.varlen`) of sequences packed
+                along T (B = 1, no window): each starts from zeros, none sees the one before it.
 
         Returns:
             `(y, window)`: y `[B, T, C]`, and the last `W - 1` inputs `[B, W - 1, C]` for the next call.
@@ -172,7 +189,11 @@ class ShortConv(nn.Module):
         if window is None:
             window = x.new_zeros(B, W - 1, C)
         padded = torch.cat([window.to(x.dtype), x], dim=1)  # [B, W - 1 + T, C]
-        y = sum(padded[:, i : i + T] * self.weight[:, i] for i in range(W))
+        if cu_seqlens is None:
+            y = sum(padded[:, i : i + T] * self.weight[:, i] for i in range(W))
+        else:  # term i reads the input W - 1 - i steps back: only where that is inside the same sequence
+            pos = positions_in_sequence(cu_seqlens, x.device)[None, :, None]  # [1, T, 1]
+            y = sum(padded[:, i : i + T] * self.weight[:, i] * (pos >= W - 1 - i) for i in range(W))
         return F.silu(y), padded[:, T:]
 
 
@@ -195,6 +216,23 @@ class GatedRMSNorm(nn.Module):
         x = x.to(dtype)
         normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps)
         return (normed * self.weight.to(dtype) * torch.sigmoid(gate.to(dtype))).to(gate.dtype)
+
+
+@torch.no_grad()
+def init_gate_parameters(A_log: nn.Parameter, dt_bias: nn.Parameter, gate: str = "softplus") -> None:
+    """Initialise a decay gate's `A_log` and `dt_bias` in place so the heads start with a spread of memory
+    lengths.
+
+    `dt_bias` is `softplus^-1(dt)` with `dt` log-uniform in [0.001, 0.1], so at x = 0 the softplus gate's
+    step size is dt. The softplus gate's rate `exp(A_log)` starts uniform in [1, 16]; the lower-bound gate's
+    slope starts at 1 (A_log = 0), which makes its initial decay about `lower_bound * dt`.
+    """
+    dt = torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+    dt_bias.copy_(torch.log(torch.expm1(dt)))
+    if gate == "softplus":
+        A_log.copy_(torch.empty_like(A_log).uniform_(1, 16).log())
+    else:
+        A_log.zero_()
 
 
 class KDALayer(nn.Module):
@@ -231,26 +269,21 @@ class KDALayer(nn.Module):
         self.o_proj = nn.Linear(HV * V, d_model, bias=False)
         self.reset_gate_parameters()
 
-    @torch.no_grad()
     def reset_gate_parameters(self) -> None:
-        """Initialise `A_log` and `dt_bias` so the layer starts with a spread of memory lengths.
-
-        `dt_bias` is `softplus^-1(dt)` with `dt` log-uniform in [0.001, 0.1], so at x = 0 the softplus gate's
-        step size is dt. The softplus gate's rate `exp(A_log)` starts uniform in [1, 16]; the lower-bound gate's
-        slope starts at 1 (A_log = 0), which makes its initial decay about `lower_bound * dt`.
-        """
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-        self.dt_bias.copy_(torch.log(torch.expm1(dt)))
-        if self.config.gate == "softplus":
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        else:
-            self.A_log.zero_()
+        """Initialise `A_log` and `dt_bias` (`init_gate_parameters`)."""
+        init_gate_parameters(self.A_log, self.dt_bias, self.config.gate)
 
     def new_cache(self) -> KDACache:
         """An empty cache for this layer."""
         return KDACache()
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KDACache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Mix the tokens in x, continuing from the cache.
 
         Args:
@@ -258,6 +291,14 @@ class KDALayer(nn.Module):
             cache: None for a self-contained sequence; otherwise the layer's `KDACache`, which holds the
                 state after the tokens before x and is advanced past x in place. With a cache and T = 1 the
                 layer takes one recurrent step; otherwise it runs the chunked form.
+            cu_seqlens: int32/int64 `[N + 1]`: x `[1, T, D]` holds N sequences packed along T, each run as if
+                alone (`kda_edu.varlen`). With an empty cache, the cache then holds the N sequences as a batch
+                of N (for decoding them together); not with a cache that holds tokens.
+            attention_mask: `[B, T]` padding mask, 1 for a token, 0 for padding (`kda_edu.varlen`): each row
+                is the sequence of its tokens, and the output is zero at the padding. With an empty cache, the
+                cache then holds each row's state after its last token. With a cache that holds S tokens the
+                mask may span them too (`[B, S + T]`, as a generation loop keeps it): its last T columns must
+                then be all 1 (padding only in the first call).
 
         Returns:
             `[B, T, D]` in x's dtype.
@@ -271,12 +312,43 @@ class KDALayer(nn.Module):
             raise ValueError(
                 f"x has batch size {x.shape[0]} but the cache holds batch size {cache.state.shape[0]}"
             )
+        B, T, _ = x.shape
+        if attention_mask is not None and cu_seqlens is not None:
+            raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
+        if attention_mask is not None and cache is not None and cache.seq_len > 0:
+            S = cache.seq_len
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape[-1] not in (T, S + T):
+                raise ValueError(
+                    f"with a cache of S = {S} tokens, attention_mask must be [B, T] or [B, S + T] = "
+                    f"({B}, {S + T}), got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
+                )
+            if not bool(check_attention_mask(attention_mask[:, -T:], B, T, x.device).all()):
+                raise ValueError("attention_mask may mark padding only in the first call of a cache")
+            attention_mask = None
+        if cu_seqlens is not None and cache is not None and cache.seq_len > 0:
+            raise ValueError("cu_seqlens starts new sequences: pass cache=None or an empty cache")
+        if attention_mask is not None:
+            packed, indices, cu = unpad(x, check_attention_mask(attention_mask, B, T, x.device))
+            y = repad(self._mix(packed, cache, (cu, cu.tolist())), indices, B, T)
+            if cache is not None:
+                cache.seq_len = T  # the columns of the padded batch, which a growing mask counts
+            return y
+        if cu_seqlens is not None:
+            cu_list = check_cu_seqlens(cu_seqlens, B, T, x.device)
+            return self._mix(x, cache, (cu_seqlens, cu_list))
+        return self._mix(x, cache, None)
+
+    def _mix(self, x: torch.Tensor, cache: KDACache | None, varlen) -> torch.Tensor:
+        """`forward` after its checks; `varlen` is None or `(cu_seqlens tensor, the same as a list)`."""
         cfg = self.config
         B, T, _ = x.shape
         H, HV, K, V = cfg.num_heads, cfg.hv, cfg.head_dim, cfg.v_dim
 
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, window = self.conv(qkv, None if cache is None else cache.conv_window)
+        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        window = None if cache is None else cache.conv_window
+        qkv, window = self.conv(qkv_in, window, cu_seqlens=None if varlen is None else varlen[1])
+        if varlen is not None and cache is not None:  # each sequence's own last W - 1 inputs
+            window = _last_inputs(qkv_in, varlen[1], cfg.conv_size - 1)
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         q = l2_normalize(q.reshape(B, T, H, K))
         k = l2_normalize(k.reshape(B, T, H, K))
@@ -290,7 +362,16 @@ class KDALayer(nn.Module):
         beta = beta_sigmoid(self.b_proj(x))
 
         if cache is None:
-            o, _ = self._prefill(q, k, v, g, beta, initial_state=None, output_final_state=False)
+            o, _ = self._prefill(
+                q, k, v, g, beta, initial_state=None, output_final_state=False, varlen=varlen
+            )
+        elif varlen is not None:  # an empty cache: it will hold the N sequences as a batch of N
+            o, state = self._prefill(
+                q, k, v, g, beta, initial_state=None, output_final_state=True, varlen=varlen
+            )
+            cu = varlen[1]
+            cache.conv_window, cache.state = window, state
+            cache.seq_len = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))  # forward corrects it
         else:
             if T == 1:
                 state = cache.state
@@ -305,21 +386,40 @@ class KDALayer(nn.Module):
         o = self.o_norm(o, gate.view(B, T, HV, V))
         return self.o_proj(o.reshape(B, T, HV * V))
 
-    def _prefill(self, q, k, v, g, beta, initial_state, output_final_state):
-        """The chunked form: Triton's `chunk_kda` where it can run, else PyTorch's `kda_chunked`."""
-        if _triton_can_run(q, k, v, g, beta):
-            from kda_edu.triton import chunk_kda
+    def _prefill(self, q, k, v, g, beta, initial_state, output_final_state, varlen=None):
+        """The chunked form: Triton's `chunk_kda` (forward and backward) when the backend says so, else
+        PyTorch's `kda_chunked` (once per sequence for packed sequences, `varlen`)."""
+        if use_triton(self.config.backend, q):
+            from kda_edu.triton import chunk_kda  # imported on use: `import kda_edu` never imports Triton
 
-            return chunk_kda(  # g and beta are in range by construction: no value check (a host sync)
-                q,
-                k,
-                v,
+            dtype = q.dtype if self.config.kernel_dtype is None else getattr(torch, self.config.kernel_dtype)
+            o, state = chunk_kda(  # g and beta are in range by construction: no value check (a host sync)
+                q.to(dtype),
+                k.to(dtype),
+                v.to(dtype),
                 g,
                 beta,
                 initial_state=initial_state,
                 output_final_state=output_final_state,
+                cu_seqlens=None if varlen is None else varlen[0],
                 check_inputs=False,
             )
+            return o.to(q.dtype), state
+        if varlen is not None:  # each sequence from a zero state (forward allows only an empty cache here)
+            cu, outs, states = varlen[1], [], []
+            HV, K, V = g.shape[2], g.shape[3], v.shape[3]
+            for a, b in zip(cu[:-1], cu[1:], strict=True):
+                if b > a:
+                    o, state = kda_chunked(
+                        *(t[:, a:b] for t in (q, k, v, g, beta)),
+                        output_final_state=output_final_state,
+                        chunk_size=self.config.chunk_size,
+                    )
+                    outs.append(o)
+                else:
+                    state = q.new_zeros(1, HV, K, V, dtype=compute_dtype(q.dtype))
+                states.append(state)
+            return torch.cat(outs, dim=1), torch.cat(states) if output_final_state else None
         return kda_chunked(
             q,
             k,
@@ -332,16 +432,22 @@ class KDALayer(nn.Module):
         )
 
     def _step(self, q, k, v, g, beta, state):
-        """One recurrent step: Triton's `fused_recurrent_kda` where it can run, else PyTorch's `kda_step`."""
-        if _triton_can_run(q, k, v, g, beta):
+        """One recurrent step: Triton's `fused_recurrent_kda` when the backend says so and no gradient is
+        needed (the kernel has no backward), else PyTorch's `kda_step`."""
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))
+        if not needs_grad and use_triton(self.config.backend, q):
             from kda_edu.triton import fused_recurrent_kda
 
             return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
         return kda_step(q, k, v, g, beta, state)
 
 
-def _triton_can_run(*tensors: torch.Tensor) -> bool:
-    """The Triton kernels need CUDA tensors in 16/32-bit floats; with gradients the layer stays on PyTorch."""
-    q = tensors[0]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return q.is_cuda and q.dtype != torch.float64 and not needs_grad
+def _last_inputs(x: torch.Tensor, cu_seqlens: list[int], n: int) -> torch.Tensor:
+    """The last n inputs of every packed sequence, zeros in front of a shorter one: x `[1, T, C]` ->
+    `[N, n, C]`, the convolution windows of the sequences as a batch."""
+    windows = x.new_zeros(len(cu_seqlens) - 1, n, x.shape[-1])
+    for i, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)):
+        m = min(n, b - a)
+        if m:
+            windows[i, n - m :] = x[0, b - m : b]
+    return windows

@@ -27,7 +27,7 @@ compute the same attention:
   attend directly over the latents (one shared "key head" of width r + d_r, multi-query attention; the values
   are the first r numbers of the same cached rows), and apply
   `W_uv,h` after the weighted sum of latents: `sum_s p_s W_uv,h c_s = W_uv,h sum_s p_s c_s`. Nothing per
-  head is ever materialised for the cached positions (`causal_attention` folds the heads into the query
+  head is ever materialised for the cached positions (`kda_edu.attention.causal_attention` folds the heads into the query
   rows rather than broadcasting the latents over them); a decoding step's temporaries are the `[B, H, 1,
   S]` float32 scores and probabilities and a bounded float32 slice of the latents.
 
@@ -39,6 +39,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from kda_edu.attention import causal_attention
+from kda_edu.varlen import check_attention_mask, check_cu_seqlens, repad, unpad
 
 
 @dataclass
@@ -110,56 +113,6 @@ class MLACache:
         return latent
 
 
-# Multi-query attention converts the shared keys and values to float32 at most this many numbers at a time
-# (256 MiB), so a decoding step never holds a float32 copy of a whole (bf16) latent cache.
-MQA_SLICE_NUMBERS = 2**26
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of the last T of S positions, causally masked.
-
-    Query i sits at position `S - T + i` and sees keys `0 .. S - T + i`. Keys and values may have one head
-    shared by all query heads (multi-query attention) or one per query head.
-
-    With one shared head (MLA's MQA mode, where keys and values are the latent cache) the query heads are
-    folded into the query rows, `[B, T H, D] @ [B, D, S]`, so the shared head is read as it is; a
-    broadcasting `[B, H, T, D] @ [B, 1, D, S]` would first copy it once per query head, H copies of the
-    cache. It is read in two passes (scores, then the weighted sum) over slices of at most
-    `MQA_SLICE_NUMBERS` numbers, each converted to float32 on its own. The temporaries are then the `[B, T, H,
-    S]` scores and probabilities and one float32 slice, whatever the size of the cache.
-
-    Args:
-        q: `[B, T, H, D]`.
-        k: `[B, S, Hk, D]` with Hk = H or 1, S >= T.
-        v: `[B, S, Hk, Dv]` (may be the same tensor as k).
-        scale: multiplies the scores.
-
-    Returns:
-        `[B, T, H, Dv]`, computed and returned in float32 (float64 for float64 inputs).
-    """
-    B, T, H, _ = q.shape
-    S = k.shape[1]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    visible = torch.arange(S, device=q.device) <= torch.arange(S - T, S, device=q.device)[:, None]  # [T, S]
-    if k.shape[2] == 1:  # one key/value head shared by all query heads
-        keys, values = k[:, :, 0], v[:, :, 0]  # [B, S, D], [B, S, Dv]
-        rows = q.to(dtype).reshape(B, T * H, -1) * scale  # [B, T H, D]: query heads as rows
-        width = max(1, MQA_SLICE_NUMBERS // (B * max(keys.shape[-1], values.shape[-1])))  # positions a slice
-        slices = [slice(s, min(s + width, S)) for s in range(0, S, width)]
-        scores = rows.new_empty(B, T * H, S)
-        for part in slices:
-            scores[:, :, part] = torch.bmm(rows, keys[:, part].to(dtype).transpose(1, 2))
-        scores = scores.view(B, T, H, S).masked_fill_(~visible[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(B, T * H, S)
-        del scores
-        out = sum(torch.bmm(probs[:, :, part], values[:, part].to(dtype)) for part in slices)
-        return out.view(B, T, H, -1)
-    q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))  # [B, heads, time, dim]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, T, S]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return (probs @ v).transpose(1, 2)
-
-
 class MLA(nn.Module):
     """Multi-head latent attention with no positional encoding and a latent KV cache.
 
@@ -191,7 +144,14 @@ class MLA(nn.Module):
         """An empty cache for this layer."""
         return MLACache()
 
-    def forward(self, x: torch.Tensor, cache: MLACache | None = None, mode: str = "auto") -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: MLACache | None = None,
+        mode: str = "auto",
+        cu_seqlens: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attend from the tokens in x to themselves and to everything in the cache.
 
         Args:
@@ -200,10 +160,30 @@ class MLA(nn.Module):
                 tokens before x and is extended with x's latents in place.
             mode: `"mha"` (expand latents to per-head keys and values), `"mqa"` (absorbed projections,
                 attention over the latents), or `"auto"`: MQA for T = 1, MHA otherwise.
+            cu_seqlens: int32/int64 `[N + 1]`: x `[1, T, D]` holds N sequences packed along T, each attending
+                only within itself (`kda_edu.varlen`); not with a cache.
+            attention_mask: `[B, T]` padding mask, 1 for a token, 0 for padding: each row attends over its
+                tokens only, and the output is zero at the padding; not with a cache.
 
         Returns:
             `[B, T, D]` in x's dtype.
         """
+        if cache is not None and (cu_seqlens is not None or attention_mask is not None):
+            raise ValueError("cu_seqlens and attention_mask run self-contained sequences: pass cache=None")
+        if attention_mask is not None and cu_seqlens is not None:
+            raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
+        if attention_mask is not None or cu_seqlens is not None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 3:
+                raise ValueError(f"x must be a tensor of shape [B, T, D] with D = {self.d_model}")
+            B, T, _ = x.shape
+            if attention_mask is not None:
+                packed, indices, cu = unpad(x, check_attention_mask(attention_mask, B, T, x.device))
+                return repad(self(packed, mode=mode, cu_seqlens=cu), indices, B, T)
+            cu = check_cu_seqlens(cu_seqlens, B, T, x.device)
+            # Attention never crosses a sequence boundary: each sequence is its own call.
+            return torch.cat(
+                [self(x[:, a:b], mode=mode) for a, b in zip(cu[:-1], cu[1:], strict=True) if b > a], 1
+            )
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be a tensor of shape [B, T, D] with D = {self.d_model}, got {shape}")
@@ -233,7 +213,8 @@ class MLA(nn.Module):
         else:
             q_latent = self.absorb_query(q)  # [B, T, H, r + dr]
             c = latent[:, :, None, :]  # one key head shared by all query heads: [B, S, 1, r + dr]
-            o_latent = causal_attention(q_latent, c, c[..., :r], scale=scale)  # [B, T, H, r]
+            work = torch.promote_types(q_latent.dtype, torch.float32)
+            o_latent = causal_attention(q_latent, c, c[..., :r], scale=scale, out_dtype=work)  # [B, T, H, r]
             o = self.expand_output(o_latent)
 
         return self.project_out(o, x)

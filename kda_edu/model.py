@@ -30,6 +30,7 @@ from kda_edu.attn_residuals import DepthAttention, DepthStream
 from kda_edu.ffn import FFNConfig, LatentMoE, MoE, SwiGLU, build_ffn
 from kda_edu.kda_layer import KDACache, KDAConfig, KDALayer
 from kda_edu.mla import MLA, MLACache, MLAConfig
+from kda_edu.varlen import check_attention_mask, check_cu_seqlens, repad, unpad
 
 HYBRID = "KKKA"
 PURE_KDA = "K"
@@ -161,27 +162,42 @@ class HybridCache:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: a sequence mixer (KDA or MLA), then a feed-forward layer.
+    """Pre-norm residual block: `x + mixer(RMSNorm(x))`, then `x + ffn(RMSNorm(x))`.
+
+    The block of every model here: `HybridLM` (a `KDALayer` or an `MLA` mixer) and
+    `kda_edu.mixers.RecallLM` (a `TokenMixer`).
 
     Args:
-        config: the model's `HybridConfig`.
-        kind: "K" for a KDA mixer, "A" for an MLA mixer.
-        dense: use a dense SwiGLU of width `config.ffn.hidden` whatever `config.ffn` asks for.
+        d_model: D.
+        mixer: a sequence mixer `[B, T, D] -> [B, T, D]`; one that keeps a cache takes it as `cache=`.
+        ffn: a feed-forward layer `[B, T, D] -> [B, T, D]`.
+        norm_eps: epsilon of the two RMSNorms.
     """
 
-    def __init__(self, config: HybridConfig, kind: str, dense: bool = False):
+    def __init__(self, d_model: int, mixer: nn.Module, ffn: nn.Module, norm_eps: float):
         super().__init__()
-        d = config.d_model
-        self.kind = kind
-        self.mixer_norm = nn.RMSNorm(d, eps=config.norm_eps)
-        self.mixer = KDALayer(d, config.kda) if kind == "K" else MLA(d, config.mla)
-        self.ffn_norm = nn.RMSNorm(d, eps=config.norm_eps)
-        self.ffn = SwiGLU(d, config.ffn.hidden) if dense else build_ffn(d, config.ffn)
+        self.mixer_norm = nn.RMSNorm(d_model, eps=norm_eps)
+        self.mixer = mixer
+        self.ffn_norm = nn.RMSNorm(d_model, eps=norm_eps)
+        self.ffn = ffn
 
-    def forward(self, x: torch.Tensor, cache: KDACache | MLACache | None = None) -> torch.Tensor:
-        """x `[B, T, D]` -> `[B, T, D]`; the mixer reads and advances `cache` when given."""
-        x = x + self.mixer(self.mixer_norm(x), cache=cache)
+    def forward(self, x: torch.Tensor, cache=None, **mixer_kwargs) -> torch.Tensor:
+        """x `[B, T, D]` -> `[B, T, D]`; the mixer reads and advances `cache` when given, and gets
+        `mixer_kwargs` (masks, sequence boundaries) as they are."""
+        h = self.mixer_norm(x)
+        x = x + (
+            self.mixer(h, **mixer_kwargs) if cache is None else self.mixer(h, cache=cache, **mixer_kwargs)
+        )
         return x + self.ffn(self.ffn_norm(x))
+
+
+def hybrid_block(config: HybridConfig, kind: str, dense: bool = False) -> Block:
+    """A block of a `HybridLM`: a `KDALayer` ("K") or an `MLA` ("A") mixer, and a dense SwiGLU of width
+    `config.ffn.hidden` when `dense`, else the feed-forward layer `config.ffn` asks for."""
+    d = config.d_model
+    mixer = KDALayer(d, config.kda) if kind == "K" else MLA(d, config.mla)
+    ffn = SwiGLU(d, config.ffn.hidden) if dense else build_ffn(d, config.ffn)
+    return Block(d, mixer, ffn, config.norm_eps)
 
 
 class HybridLM(nn.Module):
@@ -198,7 +214,8 @@ class HybridLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(
-            Block(config, kind, dense=i < config.dense_layers) for i, kind in enumerate(config.layer_kinds)
+            hybrid_block(config, kind, dense=i < config.dense_layers)
+            for i, kind in enumerate(config.layer_kinds)
         )
         # One pseudo-query per sublayer and one for the output head, when the residuals attend over depth.
         self.depth = (
@@ -241,6 +258,20 @@ class HybridLM(nn.Module):
             for linear in writers:
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
 
+    def save_pretrained(self, directory) -> None:
+        """Write `config.json` and `model.safetensors` into `directory` (created if needed);
+        `kda_edu.checkpoint.save_pretrained`."""
+        from kda_edu.checkpoint import save_pretrained  # imported on use: checkpoint imports this module
+
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, device="cpu") -> "HybridLM":
+        """The model saved by `save_pretrained` in `directory`; `kda_edu.checkpoint.from_pretrained`."""
+        from kda_edu.checkpoint import from_pretrained
+
+        return from_pretrained(directory, device)
+
     def num_parameters(self) -> int:
         """Number of trainable numbers (a tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
@@ -256,13 +287,24 @@ class HybridLM(nn.Module):
         """An empty cache with one layer cache per block."""
         return HybridCache([block.mixer.new_cache() for block in self.blocks])
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits for every position.
 
         Args:
             input_ids: token ids `[B, T]`, int64, in `[0, vocab_size)`.
             cache: None for a self-contained sequence; otherwise a `HybridCache` from `new_cache()`, which
                 holds the tokens before input_ids and is advanced past them in place.
+            attention_mask: `[B, T]` padding mask, 1 for a token, 0 for padding (`kda_edu.varlen`): each row
+                is the sequence of its tokens (the ids at the padding must still be valid ids); the logits
+                at the padding are zero. Not with a cache.
+            cu_seqlens: int32/int64 `[N + 1]`: input_ids `[1, T]` holds N sequences packed along T, each run
+                as if alone. Not with a cache.
 
         Returns:
             logits `[B, T, vocab_size]` in the model's dtype.
@@ -270,27 +312,47 @@ class HybridLM(nn.Module):
         self._check_ids(input_ids)
         if cache is not None:
             self._check_cache(cache)
+            if attention_mask is not None or cu_seqlens is not None:
+                raise ValueError(
+                    "cu_seqlens and attention_mask run self-contained sequences: pass cache=None"
+                )
+        B, T = input_ids.shape
+        if attention_mask is not None:
+            if cu_seqlens is not None:
+                raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
+            mask = check_attention_mask(attention_mask, B, T, input_ids.device)
+            packed, indices, cu = unpad(input_ids, mask)
+            return repad(self._logits(packed, None, cu_seqlens=cu), indices, B, T)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, B, T, input_ids.device)
+            return self._logits(input_ids, None, cu_seqlens=cu_seqlens)
         return self._logits(input_ids, cache)
 
-    def _logits(self, input_ids: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
+    def _logits(
+        self, input_ids: torch.Tensor, cache: HybridCache | None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`forward` without the input checks (which cost a device-to-host sync per call on a GPU)."""
         x = self.embed(input_ids)
         if self.depth is not None:
-            return self.lm_head(self.norm(self.depth_residuals(x, cache)[0]))
+            return self.lm_head(self.norm(self.depth_residuals(x, cache, cu_seqlens=cu_seqlens)[0]))
+        kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         for i, block in enumerate(self.blocks):
-            x = block(x, cache=None if cache is None else cache.layers[i])
+            x = block(x, cache=None if cache is None else cache.layers[i], **kwargs)
         return self.lm_head(self.norm(x))
 
     def depth_residuals(
-        self, x: torch.Tensor, cache: HybridCache | None = None
+        self, x: torch.Tensor, cache: HybridCache | None = None, cu_seqlens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, DepthStream]:
         """The blocks with attention residuals: embeddings x `[B, T, D]` -> (the output head's input `[B, T, D]`,
         the `DepthStream` of the pass, which records the sources it kept). Every sublayer reads the softmax
-        mixture of the sources its pseudo-query asks for, and its output joins the sources."""
+        mixture of the sources its pseudo-query asks for, and its output joins the sources. `cu_seqlens` as
+        in `forward`."""
         stream = DepthStream(x, self.config.depth_block_size)
+        kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         for i, block in enumerate(self.blocks):
             h = self.depth[2 * i](stream.sources())
-            stream.add(block.mixer(block.mixer_norm(h), cache=None if cache is None else cache.layers[i]))
+            layer_cache = None if cache is None else cache.layers[i]
+            stream.add(block.mixer(block.mixer_norm(h), cache=layer_cache, **kwargs))
             h = self.depth[2 * i + 1](stream.sources())
             stream.add(block.ffn(block.ffn_norm(h)))
         return self.depth[-1](stream.sources()), stream
@@ -303,21 +365,28 @@ class HybridLM(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        """Continue every sequence by `max_new_tokens` tokens, one forward step per token through a cache.
+        """Continue every sequence by up to `max_new_tokens` tokens, one forward step per token through a cache.
 
         The prompt is processed in one call (chunked KDA, MHA-mode MLA); each new token then costs one
         decoding step (recurrent KDA step, MQA-mode MLA).
 
         Args:
             input_ids: prompts `[B, T]`, int64.
-            max_new_tokens: how many tokens to add, >= 0.
+            max_new_tokens: how many tokens to add at most, >= 0.
             temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`.
             top_k: when sampling, only the k most likely tokens can be drawn; None means all.
             generator: the random generator for sampling (for reproducible samples).
+            eos_token_id: an end-of-sequence id (or a list of them): a sequence that produces one is finished,
+                and every later position of it holds `pad_token_id`. Generation stops early once every
+                sequence is finished. None: always `max_new_tokens` tokens.
+            pad_token_id: what follows a finished sequence's end; None means the (first) eos_token_id.
 
         Returns:
-            `[B, T + max_new_tokens]`: the prompts followed by the generated tokens.
+            `[B, T + n]`: the prompts followed by the generated tokens, n <= max_new_tokens (n <
+            max_new_tokens only when every sequence ended early).
         """
         self._check_ids(input_ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -326,17 +395,51 @@ class HybridLM(nn.Module):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+        eos = self._check_special_ids(eos_token_id, pad_token_id)
         if max_new_tokens == 0:
             return input_ids
+        pad = None if eos is None else (eos[0] if pad_token_id is None else pad_token_id)
         tokens = [input_ids]
         cache = self.new_cache()
+        finished = torch.zeros(input_ids.shape[0], 1, dtype=torch.bool, device=input_ids.device)
         logits = self._logits(input_ids, cache)[:, -1]
         for i in range(max_new_tokens):
             next_id = _pick(logits, temperature, top_k, generator)  # [B, 1]
+            if eos is not None:
+                next_id = next_id.masked_fill(finished, pad)
+                finished |= torch.isin(next_id, eos)
             tokens.append(next_id)
-            if i + 1 < max_new_tokens:
-                logits = self._logits(next_id, cache)[:, -1]
+            if i + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
+                break
+            logits = self._logits(next_id, cache)[:, -1]
         return torch.cat(tokens, dim=1)
+
+    def _check_special_ids(self, eos_token_id, pad_token_id) -> torch.Tensor | None:
+        """eos_token_id as a 1-D int64 tensor on the model's device (None stays None), after checking both ids."""
+        vocab = self.config.vocab_size
+
+        def is_id(t) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
+        if pad_token_id is not None and not is_id(pad_token_id):
+            raise ValueError(
+                f"pad_token_id must be None or an int in [0, vocab_size = {vocab}), got {pad_token_id!r}"
+            )
+        if eos_token_id is None:
+            if pad_token_id is not None:
+                raise ValueError("pad_token_id needs an eos_token_id (it fills the positions after one)")
+            return None
+        ids = (
+            [eos_token_id]
+            if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool)
+            else eos_token_id
+        )
+        if not isinstance(ids, (list, tuple)) or not ids or not all(is_id(t) for t in ids):
+            raise ValueError(
+                f"eos_token_id must be None, an int or a non-empty list of ints in [0, vocab_size = {vocab}), "
+                f"got {eos_token_id!r}"
+            )
+        return torch.tensor(ids, dtype=torch.long, device=self.embed.weight.device)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:

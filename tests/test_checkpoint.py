@@ -142,3 +142,33 @@ def test_loading_into_a_model_with_another_config(saved):
         CheckpointError, match="different config; kda.gate: model 'lower_bound', checkpoint 'softplus'"
     ):
         load_weights(other, path)
+
+
+def test_save_pretrained_writes_a_config_json_beside_the_weights(tmp_path):
+    from kda_edu.checkpoint import from_pretrained
+
+    model = tiny_model(seed=5, layer_pattern="KA", kda=KDAConfig(num_heads=2, head_dim=8, gate="lower_bound"))
+    model.save_pretrained(tmp_path / "run")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["format"] == "kda_edu.HybridLM" and config["layer_pattern"] == "KA"
+    assert config["kda"]["gate"] == "lower_bound"
+    loaded = HybridLM.from_pretrained(tmp_path / "run")
+    assert loaded.config == model.config
+    x = torch.randint(0, 40, (2, 9))
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)  # same weights, same code, same order
+    assert from_pretrained(tmp_path / "run").config == model.config
+
+
+def test_from_pretrained_names_what_is_wrong(tmp_path):
+    from kda_edu.checkpoint import from_pretrained, save_pretrained
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_pretrained(tmp_path)
+    save_pretrained(tiny_model(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_layers": 2}))
+    with pytest.raises(CheckpointError, match="n_layers: model 2, checkpoint 4"):
+        from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "format": "other"}))
+    with pytest.raises(CheckpointError, match="not a valid kda_edu config"):
+        from_pretrained(tmp_path)

@@ -136,7 +136,7 @@ def test_bad_inputs_and_configs_are_named():
 # --- fla's KimiDeltaAttention as an independent oracle ------------------------------------------------------
 
 
-def _pin_fla_autotuners() -> None:
+def pin_fla_autotuners() -> None:
     """Give every autotuned fla kernel a single config.
 
     Under Triton's CPU interpreter an autotuner with several configs tries to benchmark them and fails
@@ -163,7 +163,7 @@ def _fla_copy(ours: KDALayer, mode: str):
     from kda_edu._backend import interpreting
 
     if interpreting():
-        _pin_fla_autotuners()
+        pin_fla_autotuners()
     cfg = ours.config
     theirs = fla_layers.KimiDeltaAttention(
         hidden_size=D,
@@ -236,10 +236,12 @@ def test_matches_fla_kimi_delta_attention_chunk():
     not torch.cuda.is_available(), reason="the Triton kernels of kda_edu.triton run on CUDA only"
 )
 def test_triton_kernels_on_cuda_match_the_pytorch_path():
-    """Without gradients a CUDA layer runs chunk_kda (prefill) and fused_recurrent_kda (decoding steps)."""
+    """A CUDA layer (backend "auto") runs chunk_kda (prefill) and fused_recurrent_kda (decoding steps)."""
     layer = make_layer(seed=5, head_dim=16, v_head_dim=16, num_v_heads=4, chunk_size=64).cuda()
     x = torch.randn(2, 70, D, device="cuda")
-    reference = layer(x)  # gradients on: the PyTorch kda_chunked, on the GPU
+    torch_twin = make_layer(seed=5, head_dim=16, v_head_dim=16, num_v_heads=4, chunk_size=64, backend="torch")
+    torch_twin.load_state_dict(layer.state_dict())
+    reference = torch_twin.cuda()(x)  # the PyTorch kda_chunked, on the GPU
     with torch.no_grad():
         full = layer(x)  # chunk_kda
         cache = layer.new_cache()
@@ -296,3 +298,59 @@ def test_full_rank_parameter_counts_match_the_module():
         assert parameters_by_part(layer) == kda_layer_parameters(D, layer.config), which
     with pytest.raises(ValueError, match="KDAConfig.full_rank must be 'none', 'decay', 'output' or 'both'"):
         KDAConfig(full_rank="yes")
+
+
+# --- the backend switch: training through the Triton kernels ---------------------------------------------------
+
+
+def test_backend_switch_picks_the_kernels_only_where_asked_or_compiled():
+    from kda_edu._backend import use_triton
+
+    x = torch.zeros(1)
+    assert not use_triton("torch", x) and use_triton("triton", x)
+    assert not use_triton("auto", x)  # a CPU tensor: the kernels would only run in the (slow) interpreter
+    assert not use_triton("auto", x.double())
+    with pytest.raises(ValueError, match=r"KDAConfig.backend must be one of \('auto', 'torch', 'triton'\)"):
+        KDAConfig(backend="cuda")
+    with pytest.raises(ValueError, match="KDAConfig.kernel_dtype must be None"):
+        KDAConfig(kernel_dtype="float64")
+
+
+def test_layer_trains_through_the_triton_kernels_like_the_pytorch_path(monkeypatch):
+    """backend="triton" runs chunk_kda (here in the interpreter, float32) for the forward and its backward:
+    output, input gradient, every parameter's gradient and the gradient through a cached initial state agree
+    with the PyTorch path. Tolerance 1e-5 relative (float32 with exact float32 products in the interpreter,
+    as the other interpreter tests)."""
+    import kda_edu.triton as kernels
+
+    calls = []
+    real = kernels.chunk_kda
+    monkeypatch.setattr(
+        kernels, "chunk_kda", lambda *a, **kw: calls.append(a[0].requires_grad) or real(*a, **kw)
+    )
+    results = {}
+    for backend in ("torch", "triton"):
+        layer = make_layer(seed=6, head_dim=16, v_head_dim=16, backend=backend).to(DEVICE)
+        torch.manual_seed(7)
+        x = torch.randn(1, 24, D, device=DEVICE, requires_grad=True)
+        cache = layer.new_cache()  # the second call starts from the first one's state
+        y = torch.cat([layer(x[:, :10], cache=cache), layer(x[:, 10:], cache=cache)], dim=1)
+        y.square().sum().backward()
+        results[backend] = [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+    assert calls == [True, True]  # the kernel ran, with gradients, for the two prefills of the triton layer
+    for a, b in zip(results["torch"], results["triton"], strict=True):
+        assert (a - b).norm() <= 1e-5 * a.norm(), ((a - b).norm() / a.norm()).item()
+
+
+def test_mixer_kind_kda_follows_the_same_backend_switch(monkeypatch):
+    """TokenMixer(kind="kda") is a KDALayer, so its backend setting reaches chunk_kda."""
+    import kda_edu.triton as kernels
+    from kda_edu.mixers import MixerConfig, TokenMixer
+
+    calls = []
+    real = kernels.chunk_kda
+    monkeypatch.setattr(kernels, "chunk_kda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for backend, expected in (("torch", 0), ("auto", 0), ("triton", 1)):
+        calls.clear()
+        TokenMixer(D, MixerConfig("kda", 2, 16, chunk_size=16, backend=backend))(torch.randn(1, 5, D))
+        assert len(calls) == expected, backend

@@ -5,8 +5,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kda_edu import mla
-from kda_edu.mla import MLA, MLACache, MLAConfig, causal_attention
+from kda_edu import attention
+from kda_edu.attention import causal_attention
+from kda_edu.mla import MLA, MLACache, MLAConfig
 
 D = 32
 
@@ -33,8 +34,8 @@ def test_shared_head_equals_expanded_heads_in_any_slices(T, monkeypatch):
     q = torch.randn(2, T, 4, 6, dtype=torch.float64)
     k, v = torch.randn(2, 9, 1, 6, dtype=torch.float64), torch.randn(2, 9, 1, 5, dtype=torch.float64)
     expanded = causal_attention(q, k.expand(-1, -1, 4, -1), v.expand(-1, -1, 4, -1), scale=0.4)
-    for numbers in (mla.MQA_SLICE_NUMBERS, 2 * 6 * 4, 1):  # one slice; slices of 4 positions; of 1
-        monkeypatch.setattr(mla, "MQA_SLICE_NUMBERS", numbers)
+    for numbers in (attention.MQA_SLICE_NUMBERS, 2 * 6 * 4, 1):  # one slice; slices of 4 positions; of 1
+        monkeypatch.setattr(attention, "MQA_SLICE_NUMBERS", numbers)
         torch.testing.assert_close(causal_attention(q, k, v, scale=0.4), expanded, rtol=1e-12, atol=1e-12)
         same = causal_attention(q, k, k, scale=0.4)  # keys that are the values, as in MLA
         torch.testing.assert_close(same, causal_attention(q, k, k.clone(), scale=0.4))
@@ -64,7 +65,7 @@ def test_decoding_step_makes_no_per_head_copy_of_the_cache(monkeypatch):
     cache = layer.new_cache()
     with torch.no_grad():
         layer(torch.randn(B, S, D), cache=cache)
-        monkeypatch.setattr(mla, "MQA_SLICE_NUMBERS", B * r * 50)  # 50 positions per slice
+        monkeypatch.setattr(attention, "MQA_SLICE_NUMBERS", B * r * 50)  # 50 positions per slice
         with LargestNewTensor() as largest:
             layer(torch.randn(B, 1, D), cache=cache)
     assert largest.nbytes == B * (S + 1) * r * 4  # torch.cat's new cache; H copies would be 4 times that

@@ -231,3 +231,34 @@ def test_k3_options_round_trip_and_are_checked():
     assert HybridConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match=r"HybridConfig.dense_layers must lie in \[0, n_layers\]"):
         tiny_config(dense_layers=5)
+
+
+def test_generate_stops_each_sequence_at_its_end_of_sequence_token():
+    """Greedy generation with eos: a sequence keeps what it produced up to and including its first eos, then
+    only pad; without eos the same model would have gone on (compared with a run without eos_token_id)."""
+    model = make_model(seed=3)
+    prompts = ids(3, 5, seed=4)
+    free = model.generate(prompts, max_new_tokens=12)
+    new = free[:, 5:]
+    eos = int(new[0, 2])  # a token the first sequence produces at step 2: it must end there
+    out = model.generate(prompts, max_new_tokens=12, eos_token_id=eos, pad_token_id=VOCAB - 1)
+    for b in range(3):
+        hits = (new[b] == eos).nonzero()
+        end = int(hits[0]) + 1 if len(hits) else new.shape[1]
+        got = out[b, 5:]
+        assert torch.equal(got[:end], new[b, :end]), b  # token ids, not floats
+        assert (got[end:] == VOCAB - 1).all(), b
+    assert out.shape[1] <= free.shape[1]
+
+
+def test_generate_stops_early_when_every_sequence_has_ended():
+    model = make_model(seed=3)
+    prompts = ids(2, 4, seed=5)
+    free = model.generate(prompts, max_new_tokens=6)
+    first = free[:, 4]  # both sequences end at their first token when every first token is an eos
+    out = model.generate(prompts, max_new_tokens=6, eos_token_id=first.tolist())
+    assert out.shape == (2, 5) and torch.equal(out, free[:, :5])
+    with pytest.raises(ValueError, match="eos_token_id must be None, an int or a non-empty list"):
+        model.generate(prompts, max_new_tokens=2, eos_token_id=VOCAB)
+    with pytest.raises(ValueError, match="pad_token_id needs an eos_token_id"):
+        model.generate(prompts, max_new_tokens=2, pad_token_id=0)

@@ -38,7 +38,7 @@ from kda_edu.costs import cache_bytes
 from kda_edu.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.kda import kda_step
 from kda_edu.kda_layer import KDACache
-from kda_edu.mla import MLACache, mla_absorbed_reference
+from kda_edu.mla import MLA, MLACache, mla_absorbed_reference
 from kda_edu.model import HybridCache, HybridConfig, HybridLM
 
 # Where bench/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).
@@ -459,7 +459,7 @@ class ServingDecoder:
         self.pools: list[dict] = []
         for block in model.blocks:
             cfg = block.mixer.config
-            if block.kind == "A":
+            if isinstance(block.mixer, MLA):
                 latent = torch.zeros(rows, max_len, cfg.cache_width, dtype=dtype, device=device)
                 self.pools.append({"latent": latent})
             else:
@@ -554,7 +554,7 @@ class ServingDecoder:
         lengths = positions + 1  # visible positions, the new one included
         for block, pool in zip(model.blocks, self.pools, strict=True):
             h = block.mixer_norm(x)
-            if block.kind == "A":
+            if isinstance(block.mixer, MLA):
                 x = x + self._mla(block.mixer, h, pool["latent"], slots, positions, lengths)
             else:
                 x = x + self._kda(block.mixer, h, pool["window"], pool["state"], slots)

@@ -7,7 +7,7 @@ too), so this happens here, before any test module is collected.
 import torch
 from hypothesis import settings
 
-from kda_edu import _backend
+from kda_edu.kernels import _backend
 
 _backend.configure()
 

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from kda_edu._checks import compute_dtype
-from kda_edu.kda import kda_recurrent
+from kda_edu.ops._checks import compute_dtype
+from kda_edu.ops.kda import kda_recurrent
 
 # Tolerances on the relative error ||x - ref|| / ||ref|| (issue 3). The reference is always the float64 loop on
 # the same inputs, i.e. the exact answer: comparing two float32 results instead would add their rounding errors,

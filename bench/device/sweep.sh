@@ -8,7 +8,7 @@ nvidia-smi dmon -s u -d 15 > "$OUT/dmon_$TAG.log" 2>&1 &
 DMON=$!
 SKIP=()
 [ $# -gt 0 ] && SKIP=(--skip "$@")
-timeout "$TMO" python -m kda_edu.recall_sweep --preset gpu --out bench/results/recall_gpu.json \
+timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out bench/results/recall_gpu.json \
     --workers "$WORKERS" --max-minutes "$MAXMIN" "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
 echo "sweep exit $?" >> "$OUT/sweep_$TAG.log"
 cp bench/results/recall_gpu.json bench/results/recall_gpu.csv "$OUT/"

@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from kda_edu.attention import softmax_attention
-from kda_edu.attention_cost import LLAMA3_8B, CacheConfig
+from kda_edu.chapters.ch01_attention_cost import LLAMA3_8B, CacheConfig
 from kda_edu.exercises import expect, not_answered, passed
+from kda_edu.ops.attention import softmax_attention
 
 LLAMA3_70B = CacheConfig("Llama-3-70B", layers=80, q_heads=64, kv_heads=8, head_dim=128, bytes_per_value=2)
 H200_BYTES = 141e9  # the H200's memory, in bytes

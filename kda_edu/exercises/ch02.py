@@ -7,7 +7,7 @@ The worked solutions are the `solution_*` functions, shown in the book's hidden 
 import torch
 
 from kda_edu.exercises import expect, not_answered, passed
-from kda_edu.linear_attention import linear_attention_recurrent
+from kda_edu.ops.linear_attention import linear_attention_recurrent
 
 
 def _pairs(n: int, d_k: int, d_v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

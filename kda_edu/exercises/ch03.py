@@ -7,9 +7,9 @@ repeats the question. Each `solution_*` is the worked solution the book shows.
 
 import torch
 
-from kda_edu.delta_rule import delta_rule_recurrent
 from kda_edu.exercises import as_number, expect, not_answered, passed
-from kda_edu.online_regression import gradient_step, regression_loss, transition
+from kda_edu.ops.delta_rule import delta_rule_recurrent
+from kda_edu.ops.online_regression import gradient_step, regression_loss, transition
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

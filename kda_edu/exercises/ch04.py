@@ -9,9 +9,9 @@ import math
 
 import torch
 
+from kda_edu.chapters.ch04_recall import retrieval_strength
 from kda_edu.exercises import as_number, expect, not_answered, passed
-from kda_edu.gated_delta import gated_delta_recurrent
-from kda_edu.recall import retrieval_strength
+from kda_edu.ops.gated_delta import gated_delta_recurrent
 
 # Exercise 1: the gate for a given half-life.
 

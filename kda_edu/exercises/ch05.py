@@ -9,11 +9,11 @@ import math
 
 import torch
 
-from kda_edu.dplr import kda_transition
+from kda_edu.chapters.ch05_gate_bounds import log_max
+from kda_edu.chapters.ch05_two_timescales import channel_gates, make_task, retrieval_errors
 from kda_edu.exercises import expect, not_answered, passed
-from kda_edu.gate_bounds import log_max
-from kda_edu.gates import kda_gate
-from kda_edu.two_timescales import channel_gates, make_task, retrieval_errors
+from kda_edu.ops.dplr import kda_transition
+from kda_edu.ops.gates import kda_gate
 
 # Exercise 4 always uses this task (the chapter's CPU size), whatever device the book runs on.
 EXERCISE_TASK = dict(batch=32, half=8, value_dim=8, n_facts=4, n_stream=124, recent=2, noise=0.5, seed=0)

@@ -8,8 +8,8 @@ shows.
 import torch
 import torch.nn.functional as F
 
-from kda_edu.chunkwise import parallel_scan, transition_product
 from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.ops.chunkwise import parallel_scan, transition_product
 
 
 def _tensor(fn, shape, *args) -> torch.Tensor:

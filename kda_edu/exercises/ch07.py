@@ -25,7 +25,7 @@ _SENTINEL = 12345.0
 _GUARD = 1024  # numbers after the output that a kernel must not touch (plus as many as the output holds)
 
 
-def _is_kernel(kernel) -> None:
+def expect_kernel(kernel) -> None:
     expect(
         hasattr(kernel, "fn") and hasattr(kernel, "__getitem__"),
         "pass the kernel itself, a function decorated with @triton.jit (not a launcher, not its result)",
@@ -44,7 +44,7 @@ def _output(*shape) -> tuple[torch.Tensor, torch.Tensor]:
     return buf[:n].view(*shape), buf
 
 
-def _launch(kernel, grid, *args, **meta) -> None:
+def launch_kernel(kernel, grid, *args, **meta) -> None:
     try:
         kernel[grid](*args, **meta)
     except WrongAnswer:
@@ -81,7 +81,7 @@ def _compare(out, buf, ref, n, what, hint, tol=1e-5, size=None) -> None:
 def _dot_tolerance(depth: int) -> float:
     """What a tl.dot of `depth` terms may be off by, relative to |a| |b|, at the loosest precision a GPU uses
     by default (TF32): a correct kernel passes whether or not it asks for input_precision="ieee"."""
-    from kda_edu.triton.primer import dot_error_bound  # kda_edu.triton is imported by now (triton is)
+    from kda_edu.chapters.ch07_primer import dot_error_bound  # kda_edu.kernels is imported by now (triton is)
 
     return dot_error_bound("tf32", depth)
 
@@ -103,12 +103,12 @@ def solution_outer(x, y, z, N0, N1, B0: tl.constexpr, B1: tl.constexpr):
 
 def check_outer(kernel) -> str:
     """`kernel(x, y, z, N0, N1, B0, B1)`, grid `(cdiv(N0, B0), cdiv(N1, B1))`: z = outer(x, y), z row-major."""
-    _is_kernel(kernel)
+    expect_kernel(kernel)
     gen = torch.Generator().manual_seed(71)
     for N0, N1, B0, B1 in ((16, 16, 16, 16), (37, 50, 16, 32), (5, 70, 8, 16)):
         x, y = (torch.randn(n, generator=gen).to(_DEVICE) for n in (N0, N1))
         z, buf = _output(N0, N1)
-        _launch(kernel, (triton.cdiv(N0, B0), triton.cdiv(N1, B1)), x, y, z, N0, N1, B0=B0, B1=B1)
+        launch_kernel(kernel, (triton.cdiv(N0, B0), triton.cdiv(N1, B1)), x, y, z, N0, N1, B0=B0, B1=B1)
         _compare(
             z, buf, torch.outer(x, y), N0 * N1, f"z [{N0}, {N1}] (blocks {B0} x {B1})",
             "Hint: element (i, j) sits at z + i * N1 + j; broadcast with x_i[:, None] * y_j[None, :].",
@@ -139,13 +139,13 @@ def check_chunk_end_decay(kernel) -> str:
 
     gc is the cumulative sum of g inside t's chunk (steps nC .. t); gc_end is gc at the chunk's last step.
     """
-    _is_kernel(kernel)
+    expect_kernel(kernel)
     gen = torch.Generator().manual_seed(72)
     for T, K, C in ((16, 16, 16), (50, 20, 16), (70, 8, 32)):
         g = -torch.rand(T, K, generator=gen).to(_DEVICE)
         k = torch.randn(T, K, generator=gen).to(_DEVICE)
         out, buf = _output(T, K)
-        _launch(kernel, (triton.cdiv(T, C),), g, k, out, T, K, C=C, BK=triton.next_power_of_2(K))
+        launch_kernel(kernel, (triton.cdiv(T, C),), g, k, out, T, K, C=C, BK=triton.next_power_of_2(K))
         pad = -T % C
         gc = torch.nn.functional.pad(g, (0, 0, 0, pad)).unflatten(0, (-1, C)).cumsum(1)  # [NC, C, K]
         ref = k * (gc[:, -1:] - gc).exp().flatten(0, 1)[:T]
@@ -184,13 +184,13 @@ def check_causal_scores(kernel) -> str:
     out `[NC, C, C]`: out[n, i, j] = q_{nC+i} . k_{nC+j} for j <= i and 0 above the diagonal; rows and columns
     past T are 0 (load them as zeros).
     """
-    _is_kernel(kernel)
+    expect_kernel(kernel)
     gen = torch.Generator().manual_seed(73)
     for T, D, C in ((16, 16, 16), (40, 20, 16), (50, 16, 32)):
         q, k = (torch.randn(T, D, generator=gen).to(_DEVICE) for _ in range(2))
         NC = triton.cdiv(T, C)
         out, buf = _output(NC, C, C)
-        _launch(kernel, (NC,), q, k, out, T, D, C=C, BD=max(16, triton.next_power_of_2(D)))
+        launch_kernel(kernel, (NC,), q, k, out, T, D, C=C, BD=max(16, triton.next_power_of_2(D)))
         qp, kp = (torch.nn.functional.pad(x, (0, 0, 0, NC * C - T)).unflatten(0, (NC, C)) for x in (q, k))
         ref = (qp @ kp.transpose(1, 2)).tril()
         size = (qp.abs() @ kp.abs().transpose(1, 2)).tril()
@@ -229,13 +229,13 @@ def check_chunk_states(kernel) -> str:
     states `[NC, D, D]`: states[n] = sum_{t < min((n + 1) C, T)} k_t v_t^T. One program walks the chunks in
     order and keeps the state in registers.
     """
-    _is_kernel(kernel)
+    expect_kernel(kernel)
     gen = torch.Generator().manual_seed(74)
     for T, D, C in ((16, 16, 16), (50, 12, 16), (90, 16, 32)):
         k, v = (torch.randn(T, D, generator=gen).to(_DEVICE) for _ in range(2))
         NC = triton.cdiv(T, C)
         out, buf = _output(NC, D, D)
-        _launch(kernel, (1,), k, v, out, T, D, C=C, BD=max(16, triton.next_power_of_2(D)))
+        launch_kernel(kernel, (1,), k, v, out, T, D, C=C, BD=max(16, triton.next_power_of_2(D)))
         ends = [min((n + 1) * C, T) for n in range(NC)]
         ref = torch.stack([k[:e].T @ v[:e] for e in ends])
         size = torch.stack([k[:e].abs().T @ v[:e].abs() for e in ends])

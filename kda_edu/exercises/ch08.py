@@ -12,10 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.exercises.ch07 import _is_kernel, _launch
-from kda_edu.kda import kda_recurrent
-from kda_edu.triton.chunk_kernel import (
+from kda_edu.chapters.ch08_chunk_kernel import (
     CHUNK,
     L2_REREAD,
     crossover,
@@ -23,6 +20,9 @@ from kda_edu.triton.chunk_kernel import (
     memory_bytes,
     reference_intermediates,
 )
+from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises.ch07 import expect_kernel, launch_kernel
+from kda_edu.ops.kda import kda_recurrent
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,7 +118,7 @@ SCAN_TOL = 8 * 2.0**-10
 
 def check_scan_kernel(kernel) -> str:
     """`kernel(w, u, qg, kd, aqk, gl, o, NT, C, D)`, grid `(1,)`: the outputs o `[NT * C, D]` of one head."""
-    _is_kernel(kernel)
+    expect_kernel(kernel)
     gen = torch.Generator().manual_seed(81)
     D = 16
     for NT in (1, 3):
@@ -135,7 +135,7 @@ def check_scan_kernel(kernel) -> str:
             for n in ("w", "u", "qg", "kd", "aqk", "gl")
         ]
         o = torch.full((T, D), torch.nan, device=_DEVICE)
-        _launch(kernel, (1,), *args, o, NT, C=CHUNK, D=D)
+        launch_kernel(kernel, (1,), *args, o, NT, C=CHUNK, D=D)
         want = kda_recurrent(q, k, v, g, beta)[0][0, :, 0].float().to(_DEVICE)
         expect(not torch.isnan(o).any(), f"with {NT} chunk(s), some outputs were never written")
         err = ((o - want).norm() / want.norm()).item()

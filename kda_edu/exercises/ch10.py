@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.gates import kda_gate_lower_bound
-from kda_edu.kda_layer import KDAConfig, KDALayer, ShortConv
+from kda_edu.layers.kda_layer import KDAConfig, KDALayer, ShortConv
+from kda_edu.ops.gates import kda_gate_lower_bound
 
 
 def _call(fn, *args):
@@ -75,7 +75,7 @@ def solution_lower_bound_gate(x, A_log, dt_bias, lower_bound):
 
 
 def check_lower_bound_gate(fn) -> str:
-    """`fn(x, A_log, dt_bias, lower_bound)` must equal `kda_edu.gates.kda_gate_lower_bound`."""
+    """`fn(x, A_log, dt_bias, lower_bound)` must equal `kda_edu.ops.gates.kda_gate_lower_bound`."""
     gen = torch.Generator().manual_seed(11)
     for B, T, HV, K, bound in ((1, 3, 2, 4, -5.0), (2, 5, 3, 8, -1.0), (1, 7, 4, 16, -8.0)):
         x = 4 * torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)

@@ -1,17 +1,17 @@
 """Exercises of chapter 11 (MLA, NoPE and the hybrid): checkers and worked solutions.
 
 Each `check_*` compares the reader's function with what the library does: the scores of an `MLA` layer, the
-cost formulas of `kda_edu.costs`, and `HybridLM.generate`; each `solution_*` is the worked solution the book
+cost formulas of `kda_edu.models.costs`, and `HybridLM.generate`; each `solution_*` is the worked solution the book
 shows.
 """
 
 import torch
 
-from kda_edu.costs import mla_token_cost
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.kda_layer import KDAConfig
-from kda_edu.mla import MLAConfig
-from kda_edu.model import HybridConfig, HybridLM
+from kda_edu.layers.kda_layer import KDAConfig
+from kda_edu.layers.mla import MLAConfig
+from kda_edu.models.costs import mla_token_cost
+from kda_edu.models.model import HybridConfig, HybridLM
 
 
 def _call(fn, *args):
@@ -66,7 +66,7 @@ def solution_mqa_over_mha(config: MLAConfig, rope_head_dim: int = 0) -> float:
 
 
 def check_mqa_over_mha(fn) -> str:
-    """`fn(config, rope_head_dim)` must equal the ratio of the attention parts of `kda_edu.costs`."""
+    """`fn(config, rope_head_dim)` must equal the ratio of the attention parts of `kda_edu.models.costs`."""
     cases = [
         (MLAConfig(num_heads=128, kv_rank=512, qk_head_dim=128, v_head_dim=128), 64),
         (MLAConfig(num_heads=32, kv_rank=512, qk_head_dim=128, v_head_dim=128), 0),

@@ -10,10 +10,10 @@ import statistics
 
 import torch
 
+from kda_edu.chapters.ch12_recall_sweep import summarize
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.recall_sweep import summarize
-from kda_edu.tasks import MQAR, Stack, TaskBatch
-from kda_edu.train import TrainConfig, lr_at, masked_loss_and_accuracy
+from kda_edu.training.tasks import MQAR, Stack, TaskBatch
+from kda_edu.training.train import TrainConfig, lr_at, masked_loss_and_accuracy
 
 
 def _call(fn, *args):
@@ -67,7 +67,7 @@ def solution_schedule(step: int, lr: float, warmup: int, steps: int, min_lr_rati
 
 
 def check_schedule(fn) -> str:
-    """`fn(step, lr, warmup, steps, min_lr_ratio)` must equal `kda_edu.train.lr_at` at every step."""
+    """`fn(step, lr, warmup, steps, min_lr_ratio)` must equal `kda_edu.training.train.lr_at` at every step."""
     for steps, lr, warmup, ratio in ((100, 1e-3, 10, 0.1), (37, 3e-3, 5, 0.0), (20, 1.0, 1, 0.5)):
         config = TrainConfig(steps=steps, lr=lr, warmup=warmup, min_lr_ratio=ratio)
         for step in range(steps):

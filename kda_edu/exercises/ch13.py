@@ -1,6 +1,6 @@
 """Exercises of chapter 13 (inference): checkers and worked solutions.
 
-The checkers compare the reader's numbers with the cost formulas of `kda_edu.costs`, with live caches of
+The checkers compare the reader's numbers with the cost formulas of `kda_edu.models.costs`, with live caches of
 `HybridLM`s, and with a step-time model; each `solution_*` is the worked solution the book shows.
 """
 
@@ -8,11 +8,11 @@ import math
 
 import torch
 
-from kda_edu.costs import mla_token_cost
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.kda_layer import KDAConfig
-from kda_edu.mla import MLAConfig
-from kda_edu.model import HybridConfig, HybridLM
+from kda_edu.layers.kda_layer import KDAConfig
+from kda_edu.layers.mla import MLAConfig
+from kda_edu.models.costs import mla_token_cost
+from kda_edu.models.model import HybridConfig, HybridLM
 
 
 def _number(fn, *args) -> float:

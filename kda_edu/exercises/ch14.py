@@ -7,9 +7,9 @@ worked solution the book shows.
 
 import torch
 
-from kda_edu.attn_residuals import DepthAttention
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.ffn import FFNConfig, build_ffn
+from kda_edu.layers.attn_residuals import DepthAttention
+from kda_edu.layers.ffn import FFNConfig, build_ffn
 
 
 def _call(fn, *args):

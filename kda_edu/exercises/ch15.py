@@ -8,9 +8,9 @@ through the forward fold.
 import torch
 import torch.nn.functional as F
 
-from kda_edu.context_parallel import reference_kernel, shard_layout, shard_map
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.kda import kda_recurrent
+from kda_edu.ops.context_parallel import reference_kernel, shard_layout, shard_map
+from kda_edu.ops.kda import kda_recurrent
 
 
 def _call(fn, *args):

@@ -1,0 +1,98 @@
+"""Train one run of the GPU recall sweep under variants of its settings, to see which setting changes the outcome.
+
+Written after Gated DeltaNet's Palindrome runs collapsed in the GPU sweep (bench/NOTES.md, session 5): the
+same run with the PyTorch backend on the CPU did not. Each variant differs from the sweep's run (preset "gpu")
+in one setting:
+
+    preset         exactly the sweep's run (Triton kernel, bf16 kernel inputs, CUDA graph)
+    no_graph       without the CUDA graph
+    fp32_kernel    the Triton kernel with float32 inputs (its exact-float32 path)
+    torch_backend  the PyTorch chunked form on the GPU (float32, no graph)
+    cpu_torch      the PyTorch chunked form on the CPU (float32, no graph)
+
+Every variant runs in its own process (at the same time, on a GPU); the results, with each variant's full
+configuration and held-out history, are merged into --out (JSON), so variants can be added call by call.
+
+    python bench/experiments/ablate_recall_run.py --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
+        --variants preset no_graph fp32_kernel torch_backend --out bench/results/ablate_gdn_palindrome128.json
+"""
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+
+import torch
+
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, task_for
+from kda_edu.layers.mixers import MixerConfig, RecallConfig
+from kda_edu.training.train import TrainConfig, train
+
+VARIANTS = {  # name: (changes to the preset's mixer, changes to its training, device)
+    "preset": ({}, {}, "cuda"),
+    "no_graph": ({}, {"cuda_graph": False}, "cuda"),
+    "fp32_kernel": ({"kernel_dtype": "float32"}, {}, "cuda"),
+    "torch_backend": ({"backend": "torch", "kernel_dtype": "float32"}, {"cuda_graph": False}, "cuda"),
+    "cpu_torch": ({"backend": "torch", "kernel_dtype": "float32"}, {"cuda_graph": False}, "cpu"),
+}
+
+
+def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    preset = PRESETS["gpu"]
+    mixer_change, train_change, device = VARIANTS[variant]
+    task = task_for(spec["task"], spec["seq_len"], preset["tasks"][spec["task"]])
+    mixer = MixerConfig(kind=spec["mixer"], **{**preset["mixer"], **mixer_change})
+    model = RecallConfig(vocab_size=task.vocab_size, mixer=mixer, **preset["model"])
+    train_kw = {**preset["train"], **train_change} | ({"steps": steps} if steps else {})
+    config = TrainConfig(lr=spec["lr"], seed=spec["seed"], **train_kw)
+    t0 = time.perf_counter()
+    result = train(task, model, config, device=device, progress=False)
+    return {
+        **spec,
+        "variant": variant,
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "final_acc": result.final_accuracy,
+        "best_acc": max(h["eval_acc"] for h in result.history),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "model_config": model.to_dict(),
+        "train_config": asdict(config),
+        "history": result.history,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--mixer", required=True)
+    ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), required=True)
+    ap.add_argument("--steps", type=int, default=None, help="fewer steps than the preset (a smoke test)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per variant")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    spec = dict(task=args.task, seq_len=args.seq_len, mixer=args.mixer, lr=args.lr, seed=args.seed)
+    data = {"spec": spec, "runs": {}}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            data = json.load(f)
+        if data["spec"] != spec:
+            raise ValueError(f"{args.out} holds another run: {data['spec']}")
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(args.variants), mp_context=ctx) as pool:
+        futures = {v: pool.submit(run_variant, spec, v, args.steps, args.threads) for v in args.variants}
+        for variant, future in futures.items():
+            record = future.result()
+            data["runs"][variant] = record
+            losses = [round(h["eval_loss"], 3) for h in record["history"]]
+            print(f"{variant}: final acc {record['final_acc']:.3f}, eval loss {losses}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

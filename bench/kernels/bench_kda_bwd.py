@@ -1,0 +1,202 @@
+"""KDA forward + backward on a GPU: kda_edu's Triton backward (chunk_kda) beside fla's.
+
+Inputs as in bench/kernels/bench_kda.py: bf16 l2-normalised q, k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), float32
+log-space gate g = -5 sigmoid(N(0, 1) - 2); K = V = 128. One step = forward, then backward of sum(o * do) with
+a fixed random do; every input requires grad. Timed with `triton.testing.do_bench` (median), gradients reset
+to None between steps. Peak memory: `torch.cuda.max_memory_allocated` during one step, minus what was
+allocated before it (the inputs and do), and what the forward leaves allocated for the backward. Also the
+relative difference of each of our gradients from fla's, and whether keeping the forward's intermediates
+(`keep_intermediates=True`, the "kept" rows) changes any bit of them.
+
+    python bench/kernels/bench_kda_bwd.py --out bench/results/h200_fwd_bwd.json
+    python bench/kernels/bench_kda_bwd.py --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
+
+All three shapes take more than 400 s on the H200 (fla autotunes at every shape); `--shapes` times some of
+them and keeps the other rows of an existing --out file.
+"""
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kda_edu.kernels import chunk_kda
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+D = 128
+TIMED = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32)]
+MEMORY = (1, 32768, 32)
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def make_inputs(B, T, H, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    bf = torch.bfloat16
+    x = dict(
+        q=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
+        k=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
+        v=randn(B, T, H, D).to(bf),
+        g=-5.0 * torch.sigmoid(randn(B, T, H, D) - 2.0),
+        beta=torch.sigmoid(randn(B, T, H)).to(bf),
+    )
+    for t in x.values():
+        t.requires_grad_()
+    return x, randn(B, T, H, D).to(bf)
+
+
+def _fla(x):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
+
+
+METHODS = {
+    "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[
+        0
+    ],
+    # The same kernels, with the forward's intermediates kept for the backward instead of recomputed there.
+    "kda_edu chunk_kda kept": lambda x: chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], keep_intermediates=True, check_inputs=False
+    )[0],
+    "fla chunk_kda": _fla,
+}
+
+
+def step(fn, x, do):
+    fn(x).backward(do)
+
+
+def memory_gib(fn, x, do):
+    """(peak of one step, memory held between its forward and its backward), GiB beyond the inputs and do."""
+    for t in x.values():
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o = fn(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward
+    o.backward(do)
+    del o
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30, held / 2**30
+
+
+def kernel_times(x, do):
+    """CUDA time per kernel of one forward and of its backward (torch profiler, one profile each, since both
+    passes run `_chunk_prepare_kernel`), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def per_kernel(prof):
+        out = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if us:
+                out[e.key[:60]] = round(us, 1)
+        return out
+
+    fn = METHODS["kda_edu chunk_kda"]
+    with profile(activities=[ProfilerActivity.CUDA]) as fwd:
+        o = fn(x)
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as bwd:
+        o.backward(do)
+        torch.cuda.synchronize()
+    for t in x.values():
+        t.grad = None
+    return {"forward": per_kernel(fwd), "backward": per_kernel(bwd)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/h200_fwd_bwd.json")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[",".join(map(str, s)) for s in TIMED],
+        help="B,T,H shapes to time (default: all). Rows of other shapes already in --out are kept, so a run cut "
+        "short by a time limit can be completed shape by shape.",
+    )
+    ap.add_argument("--build", help="what was measured (e.g. a commit), stored as the file's 'build' field")
+    args = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    res = dict(
+        date=datetime.date.today().isoformat(),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        note="fwd+bwd = forward then backward of sum(o * do); median ms of triton.testing.do_bench",
+        rows=[],
+    )
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        res = {**old, **{k: v for k, v in res.items() if k != "rows"}, "rows": old.get("rows", [])}
+    if args.build:
+        res["build"] = args.build
+    for B, T, H in shapes:
+        x, do = make_inputs(B, T, H)
+        row = dict(B=B, T=T, H=H)
+        grads = {}
+        for name, fn in METHODS.items():
+            try:
+                step(fn, x, do)  # compile
+                grads[name] = [x[n].grad.float().clone() for n in NAMES]
+                row[f"{name} fwd+bwd ms"] = do_bench(
+                    lambda fn=fn, x=x, do=do: step(fn, x, do),
+                    grad_to_none=list(x.values()),
+                    return_mode="median",
+                )
+            except Exception as e:  # noqa: BLE001 - record why a method could not run
+                row[f"{name} error"] = repr(e)[:300]
+            for t in x.values():
+                t.grad = None
+        with torch.no_grad():
+            row["kda_edu chunk_kda fwd ms"] = do_bench(
+                lambda x=x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False),
+                return_mode="median",
+            )
+        if (B, T, H) == TIMED[0]:
+            row["kda_edu kernels us"] = kernel_times(x, do)
+        if "fla chunk_kda" in grads and "kda_edu chunk_kda" in grads:
+            ours, fla = grads["kda_edu chunk_kda"], grads["fla chunk_kda"]
+            row["rel diff ours vs fla"] = {
+                n: ((a - b).norm() / b.norm()).item() for n, a, b in zip(NAMES, ours, fla, strict=True)
+            }
+        if "kda_edu chunk_kda kept" in grads and "kda_edu chunk_kda" in grads:
+            pairs = zip(grads["kda_edu chunk_kda"], grads["kda_edu chunk_kda kept"], strict=True)
+            row["kept gradients equal to recomputed"] = all(torch.equal(a, b) for a, b in pairs)
+        if (B, T, H) == MEMORY:
+            for name, fn in METHODS.items():
+                try:
+                    row[f"{name} peak GiB"], row[f"{name} held after forward GiB"] = memory_gib(fn, x, do)
+                except Exception as e:  # noqa: BLE001
+                    row[f"{name} peak error"] = repr(e)[:300]
+            row["inputs GiB"] = sum(t.numel() * t.element_size() for t in x.values()) / 2**30
+        res["rows"] = [r for r in res["rows"] if (r["B"], r["T"], r["H"]) != (B, T, H)] + [row]
+        print(json.dumps(row), flush=True)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        if {(r["B"], r["T"], r["H"]) for r in res["rows"]} >= set(TIMED):
+            res.pop("note_partial", None)  # every shape is in: the file is no longer partial
+        with open(args.out, "w") as f:  # after every shape: a run cut short still leaves its rows
+            json.dump(res, f, indent=1)
+        x = do = grads = None
+        torch.cuda.empty_cache()
+    print(f"{'B,T,H':>14} {'ours ms':>9} {'fla ms':>9} {'ratio':>6}")
+    for r in res["rows"]:
+        a, b = r.get("kda_edu chunk_kda fwd+bwd ms"), r.get("fla chunk_kda fwd+bwd ms")
+        ratio = f"{a / b:6.2f}" if a and b else "   n/a"
+        print(
+            f"{r['B']:>3},{r['T']:>6},{r['H']:>3} {a or float('nan'):9.3f} {b or float('nan'):9.3f} {ratio}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""A memory task that needs a fast and a slow memory at once, and the per-channel retention it asks for.
+
+The key channels of one head are split into two halves of `half` channels each:
+
+- the slow half stores `n_facts` facts, written once at the start (orthonormal keys, so they do not interfere)
+  and asked for at the very end, `n_stream` steps later;
+- the fast half is a scratchpad: every one of the `n_stream` later steps writes a new item with a random key,
+  and at the end the last `recent` items are asked for.
+
+Queries are approximate, as in a trained model: each one is its key plus `noise` times a random unit vector
+of the same half, renormalised. A noisy query also reads whatever else the half holds, so the scratchpad
+should keep only its last few items, while the facts must survive all `n_stream` steps. A per-channel decay
+(KDA) gives each half its own rate; one decay for the whole head (Gated DeltaNet) must serve both.
+
+Every model here is `kda_edu.ops.kda.kda_recurrent` with beta = 1 and a constant gate per channel. Many gate
+settings are evaluated in one call: setting number i is value head i (q and k have one head, shared by all).
+"""
+
+import math
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+
+from kda_edu.ops.gated_delta import gated_delta_recurrent
+from kda_edu.ops.gates import kda_gate, kda_gate_lower_bound
+from kda_edu.ops.kda import kda_recurrent
+from kda_edu.ops.recurrence import general_recurrence
+
+
+@dataclass
+class TwoTimescaleTask:
+    """A batch of two-timescale episodes.
+
+    Attributes:
+        k: keys written `[B, T, 1, K]`, K = 2 * half: facts (slow half) then the stream (fast half).
+        v: values written `[B, T, 1, V]`, unit vectors.
+        queries: the final read-outs `[B, Q, K]`, Q = n_facts + recent: noisy fact keys, then noisy recent keys.
+        targets: the values the queries should return `[B, Q, V]`.
+        n_facts: the first n_facts queries ask for facts, the rest for recent items.
+        half: channels per half; channels `[0, half)` are slow, `[half, 2 half)` fast.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    queries: torch.Tensor
+    targets: torch.Tensor
+    n_facts: int
+    half: int
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def make_task(
+    batch: int = 32,
+    half: int = 8,
+    value_dim: int = 8,
+    n_facts: int = 4,
+    n_stream: int = 124,
+    recent: int = 2,
+    noise: float = 0.5,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> TwoTimescaleTask:
+    """Draw `batch` episodes of length `n_facts + n_stream` (see the module docstring).
+
+    Args:
+        batch: B, independent episodes.
+        half: channels per half (K = 2 * half).
+        value_dim: V.
+        n_facts: facts written at the start, at most `half` (their keys are orthonormal).
+        n_stream: stream items written after the facts, one per step.
+        recent: how many of the last stream items are asked for, at most `n_stream`.
+        noise: size of the random perturbation added to each query's key before renormalising.
+        seed: seed of the generator that draws everything.
+        device: where the tensors live.
+
+    Returns:
+        A `TwoTimescaleTask` in float32.
+    """
+    if not 1 <= n_facts <= half:
+        raise ValueError(f"n_facts must be in [1, half = {half}], got {n_facts}")
+    if not 1 <= recent <= n_stream:
+        raise ValueError(f"recent must be in [1, n_stream = {n_stream}], got {recent}")
+    gen = torch.Generator().manual_seed(seed)
+    K, T = 2 * half, n_facts + n_stream
+    k = torch.zeros(batch, T, 1, K)
+    facts = torch.linalg.qr(torch.randn(batch, half, half, generator=gen))[0]  # orthonormal columns
+    k[:, :n_facts, 0, :half] = facts[:, :, :n_facts].transpose(1, 2)
+    k[:, n_facts:, 0, half:] = _unit(torch.randn(batch, n_stream, half, generator=gen))
+    v = _unit(torch.randn(batch, T, 1, value_dim, generator=gen))
+
+    asked = list(range(n_facts)) + list(range(T - recent, T))
+    same_half = torch.zeros(len(asked), K)
+    same_half[:n_facts, :half] = 1
+    same_half[n_facts:, half:] = 1
+    perturbation = _unit(torch.randn(batch, len(asked), K, generator=gen) * same_half)
+    queries = _unit(k[:, asked, 0] + noise * perturbation)
+    to = dict(device=device)
+    return TwoTimescaleTask(k.to(**to), v.to(**to), queries.to(**to), v[:, asked, 0].to(**to), n_facts, half)
+
+
+def channel_gates(slow: torch.Tensor, fast: torch.Tensor, half: int) -> torch.Tensor:
+    """Per-channel log decays `[G, 2 half]`: `slow[i]` on the slow half and `fast[i]` on the fast half.
+
+    A scalar gate (Gated DeltaNet) is the case `slow == fast`.
+    """
+    slow, fast = torch.as_tensor(slow, dtype=torch.float32), torch.as_tensor(fast, dtype=torch.float32)
+    return torch.cat([slow[:, None].expand(-1, half), fast[:, None].expand(-1, half)], dim=1)
+
+
+def retrieval_errors(task: TwoTimescaleTask, gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run KDA (beta = 1, scale = 1) with each constant per-channel gate and score the final read-outs.
+
+    Args:
+        task: the episodes.
+        gates: log decays `[G, K]`, values in [-inf, 0]; row i is one model (one value head).
+
+    Returns:
+        `(fact_error, recent_error)`, each `[G]`: the mean squared error `|S^T q - v|^2` of the fact queries
+        and of the recent-item queries, averaged over the batch. Values are unit vectors, so answering zero
+        scores 1.
+    """
+    B, T, _, K = task.k.shape
+    G = gates.shape[0]
+    if tuple(gates.shape) != (G, K):
+        raise ValueError(f"gates must have shape [G, K] with K = {K}, got {tuple(gates.shape)}")
+    g = gates.to(task.k)[None, None].expand(B, T, G, K)
+    v = task.v.expand(B, T, G, task.v.shape[-1])
+    beta = task.k.new_ones(B, T, G)
+    _, S = kda_recurrent(task.k, task.k, v, g, beta, scale=1.0, output_final_state=True)  # S [B, G, K, V]
+    read = torch.einsum("bqk,bgkv->bgqv", task.queries, S)
+    err = (read - task.targets[:, None]).pow(2).sum(-1)  # [B, G, Q]
+    return err[..., : task.n_facts].mean((0, 2)), err[..., task.n_facts :].mean((0, 2))
+
+
+def retention(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """How much of a memory each channel still holds after n = 0..steps steps of a constant gate.
+
+    Args:
+        g: log decay per channel `[K]`, <= 0.
+        steps: the last step.
+
+    Returns:
+        `[steps + 1, K]`: `exp(n g_c)`, the factor a channel-c memory is multiplied by in n steps.
+    """
+    n = torch.arange(steps + 1, dtype=g.dtype, device=g.device)
+    return torch.exp(n[:, None] * g[None, :])
+
+
+def measured_retention(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """The same retention, measured by running KDA: write one memory per channel, then only decay.
+
+    Episode c writes the value 1 under the one-hot key e_c at step 0 (beta = 1), then runs `steps` steps
+    with beta = 0 (no writes) and reads with q = e_c after every step.
+
+    Returns:
+        `[steps + 1, K]`: the value read from channel c after n steps.
+    """
+    K = g.shape[0]
+    T = steps + 1
+    eye = torch.eye(K, dtype=g.dtype, device=g.device)
+    k = eye[:, None, None, :].expand(K, T, 1, K)  # episode c: key e_c at every step
+    v = torch.ones(K, T, 1, 1, dtype=g.dtype, device=g.device)
+    beta = torch.zeros(K, T, 1, dtype=g.dtype, device=g.device)
+    beta[:, 0] = 1
+    gate = g.expand(K, T, 1, K)
+    o, _ = kda_recurrent(k, k, v, gate, beta, scale=1.0)  # o [K, T, 1, 1]
+    return o[:, :, 0, 0].T
+
+
+def channel_decays(
+    gate: str, A_log: float, dt_center: float, dt_spread: float, x: float, channels: int = 8
+) -> torch.Tensor:
+    """Per-channel log decays from KDA's gate, for one head whose channels differ only in `dt_bias`.
+
+    Args:
+        gate: `"softplus"` (`kda_edu.ops.gates.kda_gate`) or `"lower bound"` (`kda_gate_lower_bound`, bound -5).
+        A_log: the head's log rate.
+        dt_center, dt_spread: `dt_bias` runs linearly from `dt_center - dt_spread` to `dt_center + dt_spread`
+            over the channels.
+        x: the gate projection, the same on every channel (a constant input).
+        channels: K.
+
+    Returns:
+        g `[channels]` in float64.
+    """
+    if gate not in ("softplus", "lower bound"):
+        raise ValueError(f"gate must be 'softplus' or 'lower bound', got {gate!r}")
+    dt_bias = torch.linspace(dt_center - dt_spread, dt_center + dt_spread, channels, dtype=torch.float64)
+    proj = torch.full((1, 1, 1, channels), float(x), dtype=torch.float64)
+    a_log = torch.tensor([float(A_log)], dtype=torch.float64)
+    fn = kda_gate if gate == "softplus" else kda_gate_lower_bound
+    return fn(proj, a_log, dt_bias[None])[0, 0, 0]
+
+
+def plot_channel_retention(ax, g: torch.Tensor, steps: int = 1000, legend: bool = True) -> None:
+    """Draw each channel's retention `exp(n g_c)` against n (log axis) and mark its half-life on the 1/2 line.
+
+    With `legend`, a legend to the right of the axes names each channel's half-life.
+    """
+    n = torch.unique(torch.logspace(0, math.log10(steps), 200).round())
+    kept = torch.exp(n[:, None] * g[None, :].to(n))
+    colors = plt.cm.viridis(torch.linspace(0, 0.9, g.shape[0]).tolist())
+    for c in range(g.shape[0]):
+        half_life = float("inf") if g[c] == 0 else math.log(2) / -g[c].item()
+        ax.plot(n, kept[:, c], color=colors[c], label=f"channel {c}: half-life {half_life:.3g}")
+        if 1 <= half_life <= steps:
+            ax.plot([half_life], [0.5], "o", color=colors[c], ms=4)
+    ax.axhline(0.5, color="gray", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    if legend:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+
+
+def rotate_keys(task: TwoTimescaleTask, seed: int = 1) -> TwoTimescaleTask:
+    """The same episodes with every key and query multiplied by one random orthogonal matrix `R` `[K, K]`.
+
+    Overlaps between keys and queries do not change, so a memory whose decay is the same on every channel
+    (Gated DeltaNet with one head) gives the same errors; a per-channel decay now sees each half of the task
+    spread over all channels. This is the control for "per-channel decay helps": the help should survive only
+    if the channels that decay differently can be aligned with what must be kept for different times.
+    """
+    K = task.k.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    R = torch.linalg.qr(torch.randn(K, K, generator=gen, dtype=torch.float64))[0].to(task.k)
+    return TwoTimescaleTask(task.k @ R.T, task.v, task.queries @ R.T, task.targets, task.n_facts, task.half)
+
+
+def gdn_heads_errors(task: TwoTimescaleTask, head_gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet with H heads and KDA's state size, scored like `retrieval_errors`.
+
+    The K key channels are cut into H blocks of K / H; head h sees block h of every key and query, L2-normalised
+    as a Gated DeltaNet head normalises its own key (a zero block stays zero and writes nothing), keeps a
+    `[K / H, V]` state with its own constant decay, and the read-out is the sum of the heads' reads. H heads of
+    `[K / H, V]` hold exactly as many numbers as one `[K, V]` state.
+
+    Args:
+        task: the episodes; each key and query must lie inside one block (true for `make_task`'s halves when
+            H divides 2), otherwise the per-head normalisation counts a key more than once.
+        head_gates: log decays `[G, H]`; row i is one model.
+
+    Returns:
+        `(fact_error, recent_error)`, each `[G]`.
+    """
+    B, T, _, K = task.k.shape
+    G, H = head_gates.shape
+    if K % H:
+        raise ValueError(f"head_gates must have a number of heads H dividing K = {K}, got H = {H}")
+    Q, V = task.queries.shape[1], task.v.shape[-1]
+    k = F.normalize(task.k.reshape(B, T, H, K // H), dim=-1)
+    q = F.normalize(task.queries.reshape(B, Q, H, K // H), dim=-1)
+    v = task.v.expand(B, T, H * G, V)  # value head h * G + i reads key head h
+    g = head_gates.to(task.k).T.reshape(H * G)[None, None].expand(B, T, H * G)
+    beta = task.k.new_ones(B, T, H * G)
+    _, S = gated_delta_recurrent(k, k, v, g, beta, scale=1.0, output_final_state=True)
+    read = torch.einsum("bqhk,bhgkv->bgqv", q, S.reshape(B, H, G, K // H, V))
+    err = (read - task.targets[:, None]).pow(2).sum(-1)  # [B, G, Q]
+    return err[..., : task.n_facts].mean((0, 2)), err[..., task.n_facts :].mean((0, 2))
+
+
+class LearnedMemory(torch.nn.Module):
+    """The smallest trained version of the task's memory: learned keys and learned constant decays.
+
+    The episodes arrive in a rotated basis (`rotate_keys`), so no channel is a half of the task any more. The
+    model maps every key and query through one learned matrix `W` `[K, K]` (started at a random rotation), cuts
+    the result into `heads` blocks, L2-normalises each block, and runs the delta rule (beta = 1) with learned
+    constant log decays `-softplus(theta)`: one per head for Gated DeltaNet, one per key channel for KDA
+    (`per_channel=True`, one head). The read-out is a learned weighted sum of the heads' reads. Every variant
+    keeps `K x V` numbers of state.
+    """
+
+    def __init__(self, K: int, heads: int, per_channel: bool, seed: int):
+        super().__init__()
+        if per_channel and heads != 1:
+            raise ValueError(f"per_channel decay is KDA: heads must be 1, got {heads}")
+        if K % heads:
+            raise ValueError(f"heads must divide K = {K}, got {heads}")
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.per_channel = heads, per_channel
+        self.W = torch.nn.Parameter(torch.linalg.qr(torch.randn(K, K, generator=gen))[0])
+        self.theta = torch.nn.Parameter(torch.full((K if per_channel else heads,), -6.0))  # g about -0.0025
+        self.out = torch.nn.Parameter(torch.ones(heads))
+
+    def gates(self) -> torch.Tensor:
+        """The log decays: `[K]` (per channel) or `[heads]`."""
+        return -F.softplus(self.theta)
+
+    def errors(self, task: TwoTimescaleTask) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(fact_error, recent_error)`, two scalars, scored like `retrieval_errors`."""
+        B, T, _, K = task.k.shape
+        H, Q = self.heads, task.queries.shape[1]
+        k = F.normalize((task.k[:, :, 0] @ self.W.T).reshape(B, T, H, K // H), dim=-1)
+        q = F.normalize((task.queries @ self.W.T).reshape(B, Q, H, K // H), dim=-1)
+        g = self.gates()
+        g = g.reshape(1, 1, 1, K) if self.per_channel else g.reshape(1, 1, H, 1)
+        v = task.v.expand(B, T, H, task.v.shape[-1])
+        _, S = general_recurrence(
+            k,
+            k,
+            v,
+            g.expand(B, T, H, g.shape[-1]),
+            k.new_ones(B, T, H),
+            delta_rule=True,
+            scale=1.0,
+            output_final_state=True,
+        )
+        read = torch.einsum("bqhk,bhkv,h->bqv", q, S, self.out)
+        err = (read - task.targets).pow(2).sum(-1)  # [B, Q]
+        return err[:, : task.n_facts].mean(), err[:, task.n_facts :].mean()
+
+
+def train_learned_memory(
+    heads: int,
+    per_channel: bool,
+    seed: int,
+    steps: int = 150,
+    lr: float = 0.05,
+    task_kwargs: dict | None = None,
+    rotation_seed: int = 1,
+) -> dict:
+    """Train a `LearnedMemory` with Adam on fresh rotated episodes and score it on held-out ones.
+
+    Args:
+        heads, per_channel: the model (see `LearnedMemory`).
+        seed: seed of the model's start and of the training episodes.
+        steps: Adam steps, one fresh batch of episodes each.
+        lr: Adam's learning rate.
+        task_kwargs: arguments of `make_task` (besides `seed`); the chapter's CPU task when None.
+        rotation_seed: the rotation of the key basis (`rotate_keys`), fixed for training and evaluation.
+
+    Returns:
+        A dict with the held-out `fact`, `recent` and `mean` errors (floats), the learned `gates` (list) and the
+        training curve `loss` (list, the mean error of each step's batch).
+    """
+    kw = dict(batch=32, half=8, value_dim=8, n_facts=4, n_stream=124, recent=2, noise=0.5)
+    kw.update(task_kwargs or {})
+    torch.manual_seed(seed)
+    model = LearnedMemory(2 * kw["half"], heads, per_channel, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    curve = []
+    for step in range(steps):
+        task = rotate_keys(make_task(**kw, seed=1_000_000 * (seed + 1) + step), rotation_seed)
+        fact, recent = model.errors(task)
+        loss = (fact + recent) / 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    with torch.no_grad():
+        held_out = rotate_keys(make_task(**{**kw, "batch": 4 * kw["batch"]}, seed=999), rotation_seed)
+        fact, recent = (e.item() for e in model.errors(held_out))
+    return dict(fact=fact, recent=recent, mean=(fact + recent) / 2, gates=model.gates().tolist(), loss=curve)

@@ -1,0 +1,665 @@
+"""Serving a hybrid model, measured: caches after real prefills, appends, and decoding speed (chapter 13).
+
+- `forward_in_pieces(module, x, sizes)`: feed a sequence through a layer or model in pieces (a prefill, then
+  appends and single decoded tokens) through one cache; the result must equal one forward pass.
+- `measure_cache_bytes(config, lengths)`: build a `HybridLM`, prefill real tokens up to each length and read
+  the live cache's bytes (`HybridCache.nbytes_by_kind()`).
+- `synthetic_cache(model, batch, context_len)`: a cache of the shapes `context_len` tokens would leave, filled
+  with random numbers. Decoding time depends on the cache's shapes, not its contents, so timing runs use it
+  instead of a long (and, for full attention, quadratic) prefill.
+- `decode_step_seconds(model, cache)`, `decode_row(model, batch, context_len)` and `decode_throughput(...)`:
+  tokens per second of one decoding step over a batch, at one or several context lengths.
+- `mla_append_seconds(layer, history, appended, mode)`: the time of one MLA append in MHA or MQA mode.
+- `decode_step_bytes(config, context_len)`: the temporary memory of one decoding step on top of the caches.
+- `max_batch(config, context_len, budget_bytes)`: how many sequences decode within a memory budget (their
+  caches and one step's temporaries).
+- `largest_batch_rows(result, pattern)` and `batch_one_rows(result, pattern)` pick, per context length, the
+  measured row with the largest batch, or the row at batch 1, from a `bench_decode_throughput` result.
+- `weight_bytes(config)`: the bytes of a `HybridLM`'s parameters, counted without allocating them.
+- `count_ops(fn)` and `dispatched_ops(fn)`: how many PyTorch operations a call dispatches (the length of a step's
+  chain of operations), and which.
+- `ServingDecoder(model, max_seqs, max_len)`: the serving-grade decoding path: preallocated cache pools, rows
+  indexed per sequence (continuous batching), absorbed MLA through a split-context Triton kernel, KDA through
+  `fused_recurrent_kda` with state indices, and the step captured as a CUDA graph on a GPU.
+- `mla_append(layer, x, rows, length, mode)`: one append of n tokens to a preallocated MLA cache in MHA mode
+  (expanded keys and values, fused attention) or absorbed mode.
+- `decode_bytes_per_step(config, context_len, batch)`: the bytes a decoding step must move (its bound).
+"""
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kda_edu.layers.kda_layer import KDACache
+from kda_edu.layers.mla import MLA, MLACache, mla_absorbed_reference
+from kda_edu.models.costs import cache_bytes
+from kda_edu.models.model import HybridCache, HybridConfig, HybridLM
+from kda_edu.ops.attention import MQA_SLICE_NUMBERS
+from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
+from kda_edu.ops.kda import kda_step
+
+# Where bench/kernels/bench_decode_throughput.py writes its GPU results (absent until it has been run on a GPU).
+GPU_RESULTS = "h200_decode_throughput.json"  # under bench/results, read with kda_edu.book.bench_result
+
+
+def forward_in_pieces(module, x: torch.Tensor, sizes: list[int], **kwargs) -> torch.Tensor:
+    """Run `module` over x in consecutive pieces of the given sizes through one fresh cache.
+
+    Args:
+        module: a `KDALayer`, an `MLA` or a `HybridLM` (anything with `new_cache()` and `forward(x, cache=)`).
+        x: `[B, T, D]` hidden states, or `[B, T]` token ids for a model.
+        sizes: piece lengths summing to T, e.g. `[100, 1, 1, 30, 1]`: a prefill, two decoded tokens, an append
+            of 30 tokens, one more decoded token.
+        kwargs: passed to every call (for example `mode="mqa"` for an MLA layer).
+
+    Returns:
+        The outputs of the pieces concatenated along time, the same shape as `module(x)`.
+    """
+    if sum(sizes) != x.shape[1] or min(sizes) < 1:
+        raise ValueError(f"sizes must be >= 1 and sum to T = {x.shape[1]}, got {sizes}")
+    cache = module.new_cache()
+    outputs, start = [], 0
+    with torch.no_grad():
+        for n in sizes:
+            outputs.append(module(x[:, start : start + n], cache=cache, **kwargs))
+            start += n
+    return torch.cat(outputs, dim=1)
+
+
+def measure_cache_bytes(
+    config: HybridConfig,
+    lengths: list[int],
+    batch: int = 1,
+    piece: int = 256,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> list[dict]:
+    """Prefill random tokens into a fresh `HybridLM`'s cache and read its bytes at each length.
+
+    The tokens arrive in pieces of at most `piece` (appends through the cache, which is how a long prompt is
+    prefilled in chunks); after reaching each length the live cache is asked for its bytes. The model and its
+    cache live on `device` (the tokens are drawn on the CPU, so every device sees the same ones).
+
+    Returns:
+        One dict per length: `{"context_len", "kda", "mla", "total"}` in bytes (whole batch).
+    """
+    torch.manual_seed(seed)
+    model = HybridLM(config).to(device).eval()
+    cache = model.new_cache()
+    generator = torch.Generator().manual_seed(seed)
+    rows, seen = [], 0
+    with torch.no_grad():
+        for length in sorted(lengths):
+            while seen < length:
+                n = min(piece, length - seen)
+                tokens = torch.randint(0, config.vocab_size, (batch, n), generator=generator)
+                model(tokens.to(device), cache=cache)
+                seen += n
+            by_kind = cache.nbytes_by_kind()
+            rows.append({"context_len": length, **by_kind, "total": by_kind["kda"] + by_kind["mla"]})
+    return rows
+
+
+def synthetic_cache(model: HybridLM, batch: int, context_len: int, seed: int = 0) -> HybridCache:
+    """A cache with the shapes and dtypes a real prefill of `context_len` tokens leaves, random contents.
+
+    KDA layers get a random convolution window and a small random state (float32, or float64 for a float64
+    model); MLA layers get `context_len` random latents. Tested to have the same bytes as a real prefill.
+    """
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    generator = torch.Generator(device=device).manual_seed(seed)
+    layers = []
+    for block in model.blocks:
+        cache = block.mixer.new_cache()
+        if isinstance(cache, KDACache):
+            cfg = block.mixer.config
+            C = 2 * cfg.num_heads * cfg.head_dim + cfg.hv * cfg.v_dim
+            cache.conv_window = torch.randn(
+                batch, cfg.conv_size - 1, C, generator=generator, device=device, dtype=dtype
+            )
+            cache.state = 0.01 * torch.randn(
+                batch, cfg.hv, cfg.head_dim, cfg.v_dim, generator=generator, device=device, dtype=state_dtype
+            )
+            cache.seq_len = context_len
+        else:
+            width = block.mixer.config.cache_width
+            cache.latent = torch.randn(
+                batch, context_len, width, generator=generator, device=device, dtype=dtype
+            )
+        layers.append(cache)
+    return HybridCache(layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _truncate(cache: HybridCache, lengths: list[int | None]) -> None:
+    """Cut the MLA latents back to the given lengths, so repeated timing runs see the same context."""
+    for layer, n in zip(cache.layers, lengths, strict=True):
+        if isinstance(layer, MLACache) and n is not None:
+            layer.latent = layer.latent[:, :n]
+
+
+def decode_step_seconds(
+    model: HybridLM, cache: HybridCache, steps: int = 5, warmup: int = 2, max_seconds: float = math.inf
+) -> float:
+    """Seconds of one decoding step (one new token per sequence) from `cache`: the fastest of `steps` runs.
+
+    After every run the MLA caches are cut back to their length before the run (the KDA caches have a fixed
+    size), so every run decodes at the same context length. The minimum over runs, as in chapter 1: on a
+    shared machine other work only adds time. `warmup` untimed runs come first (one-off costs: kernel
+    compilation, library heuristics, memory allocation). Once `max_seconds` have passed, the warm-up ends
+    after the current run and the timing after the next timed run, so a slow point costs at most a few steps.
+    """
+    param = next(model.parameters())
+    batch = next(c.state.shape[0] if isinstance(c, KDACache) else c.latent.shape[0] for c in cache.layers)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=param.device)
+    lengths = [c.seq_len if isinstance(c, MLACache) else None for c in cache.layers]
+    best, runs, timed = math.inf, 0, 0
+    begin = time.perf_counter()
+    with torch.no_grad():
+        while timed < steps:
+            _sync(param.device)
+            start = time.perf_counter()
+            model._logits(token, cache)
+            _sync(param.device)
+            seconds = time.perf_counter() - start
+            _truncate(cache, lengths)
+            runs += 1
+            over_time = time.perf_counter() - begin > max_seconds
+            if runs > warmup:
+                best, timed = min(best, seconds), timed + 1
+                if over_time:
+                    break
+            elif over_time:
+                warmup = runs  # the warm-up has used the time allowed: time the next run
+    return best
+
+
+def decode_row(
+    model: HybridLM,
+    batch: int,
+    context_len: int,
+    steps: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    max_seconds: float = math.inf,
+) -> dict:
+    """Decoding speed of `model` for `batch` sequences at `context_len`, from a `synthetic_cache`.
+
+    Returns:
+        `{"context_len", "batch", "step_s", "tokens_per_s", "cache_bytes"}`; tokens_per_s = batch / step_s
+        (one token per sequence per step), cache_bytes the whole batch's cache, which one step reads in full
+        (MLA latents) or reads and rewrites (KDA state and window).
+    """
+    cache = synthetic_cache(model, batch, context_len, seed=seed)
+    step = decode_step_seconds(model, cache, steps=steps, warmup=warmup, max_seconds=max_seconds)
+    return {
+        "context_len": context_len,
+        "batch": batch,
+        "step_s": step,
+        "tokens_per_s": batch / step,
+        "cache_bytes": cache.nbytes(),
+    }
+
+
+def decode_throughput(
+    config: HybridConfig,
+    batch: int,
+    context_lens: list[int],
+    steps: int = 5,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> list[dict]:
+    """Decoding speed of a randomly initialised `HybridLM` at several context lengths.
+
+    Returns:
+        One `decode_row` dict per context length: `{"context_len", "batch", "step_s", "tokens_per_s",
+        "cache_bytes"}`.
+    """
+    torch.manual_seed(seed)
+    model = HybridLM(config).to(device=device, dtype=dtype).eval()
+    return [decode_row(model, batch, S, steps=steps, seed=seed) for S in context_lens]
+
+
+def mla_append_seconds(
+    layer, history: int, appended: int, mode: str, batch: int = 1, repeats: int = 3
+) -> float:
+    """Seconds for one MLA layer to append `appended` tokens to a cache of `history` latents, in `mode`.
+
+    The cache is reset to the same `history` random latents before every run; the fastest run counts.
+    """
+    param = next(layer.parameters())
+    generator = torch.Generator(device=param.device).manual_seed(0)
+    base = torch.randn(
+        batch, history, layer.config.cache_width, generator=generator, device=param.device, dtype=param.dtype
+    )
+    x = torch.randn(
+        batch, appended, layer.d_model, generator=generator, device=param.device, dtype=param.dtype
+    )
+    cache = layer.new_cache()
+    best = math.inf
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            cache.latent = base
+            _sync(param.device)
+            start = time.perf_counter()
+            layer(x, cache=cache, mode=mode)
+            _sync(param.device)
+            if i > 0:
+                best = min(best, time.perf_counter() - start)
+    return best
+
+
+def decode_step_bytes(
+    config: HybridConfig, context_len: int, batch_size: int = 1, dtype_bytes: int = 2
+) -> int:
+    """Bytes one decoding step allocates on top of the caches it starts from (weights not counted).
+
+    An upper estimate from the shapes. The layers run one after another and free their temporaries, so the
+    step's peak is that of its most demanding layer, plus the logits. Per sequence, with S = context_len + 1
+    after the new token is appended and c = 4 bytes (8 for a float64 model):
+
+    - an MLA layer (MQA mode): first `torch.cat` builds the longer latent cache next to the old one,
+      `S r dtype_bytes`; then `causal_attention` holds the float32 scores and probabilities `[H, 1, S]`,
+      `2 H S c`, two partial outputs `2 H r c`, and a float32 slice of the latents (at most
+      `MQA_SLICE_NUMBERS` numbers for the whole batch; counted twice, with the slice's scores).
+    - a KDA layer: the new state and two more of its size for the update, `3 HV K V c`, and a new window.
+    - the hidden states and logits at the end: `2 (d_model + vocab_size) c`.
+    """
+    B, S, c = batch_size, context_len + 1, max(dtype_bytes, 4)
+    kinds = config.layer_kinds
+    mla_layer = kda_layer = 0
+    if "A" in kinds:
+        m = config.mla
+        appended = B * S * m.cache_width * dtype_bytes
+        positions = min(
+            S, max(1, MQA_SLICE_NUMBERS // max(1, B * m.cache_width))
+        )  # as causal_attention slices
+        attention = B * 2 * m.num_heads * (S + m.kv_rank) * c + 2 * positions * B * m.cache_width * c
+        mla_layer = max(appended, attention)
+    if "K" in kinds:
+        k = config.kda
+        window = (k.conv_size - 1) * (2 * k.num_heads * k.head_dim + k.hv * k.v_dim) * dtype_bytes
+        kda_layer = B * (3 * k.hv * k.head_dim * k.v_dim * c + window)
+    logits = B * 2 * (config.d_model + config.vocab_size) * c
+    return max(mla_layer, kda_layer) + logits
+
+
+def max_batch(
+    config: HybridConfig,
+    context_len: int,
+    budget_bytes: float,
+    dtype_bytes: int = 2,
+    include_step: bool = True,
+) -> int:
+    """How many sequences of `context_len` tokens can decode within `budget_bytes` (weights not counted).
+
+    The budget holds the caches (`kda_edu.models.costs.cache_bytes`) and, with `include_step`, the temporaries of
+    one decoding step (`decode_step_bytes`); without it, only the caches are counted.
+    """
+
+    def needed(batch: int) -> int:
+        caches = sum(cache_bytes(config, context_len, batch_size=batch, dtype_bytes=dtype_bytes).values())
+        step = decode_step_bytes(config, context_len, batch, dtype_bytes) if include_step else 0
+        return caches + step
+
+    per_sequence = sum(cache_bytes(config, context_len, batch_size=1, dtype_bytes=dtype_bytes).values())
+    low, high = 0, int(budget_bytes // per_sequence) + 1  # needed(low) <= budget < needed(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if needed(mid) <= budget_bytes else (low, mid)
+    return low
+
+
+def largest_batch_rows(result: dict, pattern: str) -> list[dict]:
+    """From a `bench_decode_throughput` result, the measured row with the largest batch at each context
+    length of `pattern`, ordered by context length (rows marked `"skipped"` are left out)."""
+    best: dict[int, dict] = {}
+    for row in result["rows"]:
+        if row.get("skipped") or row["pattern"] != pattern:
+            continue
+        if row["batch"] >= best.get(row["context_len"], {"batch": 0})["batch"]:
+            best[row["context_len"]] = row
+    return [best[S] for S in sorted(best)]
+
+
+def batch_one_rows(result: dict, pattern: str) -> list[dict]:
+    """From a `bench_decode_throughput` result, the measured rows of `pattern` at batch 1, ordered by context
+    length (rows marked `"skipped"` are left out)."""
+    rows = [
+        row
+        for row in result["rows"]
+        if row["pattern"] == pattern and row["batch"] == 1 and not row.get("skipped")
+    ]
+    return sorted(rows, key=lambda row: row["context_len"])
+
+
+def decode_bytes_per_step(config: HybridConfig, context_len: int, batch: int, dtype_bytes: int = 2) -> dict:
+    """Bytes one decoding step must move through memory at least, by kind: `{"weights", "mla", "kda"}`.
+
+    - weights: every parameter read once (`weight_bytes`; the tied embedding once, as the output head).
+    - mla: every MLA layer reads each sequence's `context_len + 1` cached rows of `r + d_r` numbers once and
+      writes the new one.
+    - kda: every KDA layer reads and writes each sequence's float32 state `HV K V` and convolution window.
+
+    Divided by the memory bandwidth this is the step's lower bound; activations (a few vectors per token)
+    are left out.
+    """
+    kinds = config.layer_kinds
+    m, k = config.mla, config.kda
+    mla = kinds.count("A") * batch * (context_len + 2) * m.cache_width * dtype_bytes
+    window = (k.conv_size - 1) * (2 * k.num_heads * k.head_dim + k.hv * k.v_dim) * dtype_bytes
+    kda = kinds.count("K") * batch * 2 * (k.hv * k.head_dim * k.v_dim * 4 + window)
+    return {"weights": weight_bytes(config, dtype_bytes), "mla": mla, "kda": kda}
+
+
+def weight_bytes(config: HybridConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of the parameters of a `HybridLM` built from `config` (tied embeddings counted once).
+
+    The model is built on PyTorch's "meta" device, which records shapes without allocating memory, so this
+    is cheap even for a model far larger than the machine's memory.
+    """
+    with torch.device("meta"):
+        model = HybridLM(config)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(fn) -> list[str]:
+    """The names of the PyTorch (ATen) operations that calling `fn()` dispatches, in order (views and
+    allocations included; `aten._local_scalar_dense` is a device-to-host read such as `.item()`)."""
+    with torch.no_grad(), _OpRecorder() as recorder:
+        fn()
+    return recorder.names
+
+
+def count_ops(fn) -> int:
+    """The number of PyTorch (ATen) operations that calling `fn()` dispatches, views and allocations included.
+
+    Every such operation is a separate call from Python into PyTorch, and on a GPU most of them launch a kernel;
+    at a small batch a decoding step's time is largely the fixed cost of that chain.
+    """
+    return len(dispatched_ops(fn))
+
+
+class ServingDecoder:
+    """Decode many sequences of a `HybridLM` at once, as a serving engine does: preallocated caches, sequences
+    joining and leaving between steps (continuous batching), one token per sequence per step.
+
+    Every cache is allocated once, for `max_seqs` sequences of up to `max_len` tokens, plus one scratch row
+    (used while a CUDA graph is captured):
+
+    - MLA layer: a pool `[max_seqs + 1, max_len, r + d_r]` of cached rows in the model's dtype; a step writes
+      the new token's row at its position and attends in absorbed (MQA) mode.
+    - KDA layer: a state pool `[max_seqs + 1, HV, K, V]` (float32) and a convolution-window pool
+      `[max_seqs + 1, W - 1, C]`; a step updates sequence b's state in place at row `slots[b]` (vLLM's state
+      indices).
+    - `lengths[slot]`: tokens cached for the sequence in that row (int32, on the device).
+
+    A sequence joins with `add(prompt)` (a prefill through the model's ordinary forward, copied into a free
+    row) and leaves with `release(slot)`; `step(tokens, slots)` decodes one token for each listed row, in
+    any order and any subset. The step reads its positions from `lengths` on the device and launches work whose
+    shapes depend only on the batch size, so it makes no host synchronisation, validates nothing and (in a
+    CUDA graph) allocates nothing. On a CUDA device the attention runs in `kda_edu.kernels.mla_decode` and the
+    recurrence in `fused_recurrent_kda` with state indices, and each batch size's step is captured once as a
+    CUDA graph and replayed; elsewhere the same step runs eagerly with PyTorch's `mla_absorbed_reference` and
+    `mla_absorbed_reference` and `kda_step` (or with the kernels through Triton's interpreter, `kernels=True`).
+
+    Args:
+        model: a `HybridLM` without attention residuals, in eval mode, in its serving dtype (bf16 on a GPU).
+            Its feed-forward layers must not synchronise with the host (a dense SwiGLU does not).
+        max_seqs: rows of the pools: sequences decoded at once at most.
+        max_len: tokens per sequence at most (prompt and generated).
+        kernels: use the Triton kernels; None means on a CUDA device.
+        cuda_graph: capture and replay the step; None means on a CUDA device.
+    """
+
+    def __init__(
+        self,
+        model: HybridLM,
+        max_seqs: int,
+        max_len: int,
+        kernels: bool | None = None,
+        cuda_graph: bool | None = None,
+    ):
+        if not isinstance(model, HybridLM) or model.depth is not None:
+            raise ValueError("model must be a HybridLM without attention residuals")
+        if max_seqs < 1 or max_len < 1:
+            raise ValueError(f"max_seqs and max_len must be >= 1, got {max_seqs}, {max_len}")
+        param = next(model.parameters())
+        device, dtype = param.device, param.dtype
+        self.model = model.eval()
+        self.max_seqs, self.max_len = max_seqs, max_len
+        self.kernels = device.type == "cuda" if kernels is None else kernels
+        self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.cuda_graph and device.type != "cuda":
+            raise ValueError("cuda_graph=True needs the model on a CUDA device")
+        rows = max_seqs + 1
+        self.scratch = max_seqs  # the extra row: CUDA-graph warm-up and capture write there
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.lengths = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.pools: list[dict] = []
+        for block in model.blocks:
+            cfg = block.mixer.config
+            if isinstance(block.mixer, MLA):
+                latent = torch.zeros(rows, max_len, cfg.cache_width, dtype=dtype, device=device)
+                self.pools.append({"latent": latent})
+            else:
+                channels = 2 * cfg.num_heads * cfg.head_dim + cfg.hv * cfg.v_dim
+                window = torch.zeros(rows, cfg.conv_size - 1, channels, dtype=dtype, device=device)
+                state = torch.zeros(rows, cfg.hv, cfg.head_dim, cfg.v_dim, dtype=state_dtype, device=device)
+                self.pools.append({"window": window, "state": state})
+        self.free = list(range(max_seqs))
+        self._graphs: dict[int, tuple] = {}
+
+    @staticmethod
+    def pool_bytes(config: HybridConfig, rows: int, max_len: int, dtype_bytes: int = 2) -> int:
+        """Bytes of the pools for `rows` sequences of up to `max_len` tokens (lengths not counted): per MLA
+        layer `max_len (r + d_r)` numbers, per KDA layer a float32 state and a convolution window, per row."""
+        m, k = config.mla, config.kda
+        window = (k.conv_size - 1) * (2 * k.num_heads * k.head_dim + k.hv * k.v_dim) * dtype_bytes
+        per_kda = k.hv * k.head_dim * k.v_dim * max(4, dtype_bytes) + window
+        per_mla = max_len * m.cache_width * dtype_bytes
+        kinds = config.layer_kinds
+        return rows * (kinds.count("A") * per_mla + kinds.count("K") * per_kda)
+
+    def nbytes(self) -> int:
+        """Bytes of every pool (all rows, scratch included)."""
+        tensors = [self.lengths, *(t for pool in self.pools for t in pool.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def add(self, prompt: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Prefill `prompt` (int64 `[T]`, 1 <= T < max_len) into a free row; return (its slot, the logits
+        `[vocab]` after the prompt's last token)."""
+        if prompt.dim() != 1 or not 1 <= prompt.numel() < self.max_len:
+            raise ValueError(
+                f"prompt must be [T] with 1 <= T < max_len = {self.max_len}, got {tuple(prompt.shape)}"
+            )
+        if not self.free:
+            raise RuntimeError(f"all {self.max_seqs} rows are in use: release a sequence first")
+        slot, T = self.free.pop(0), prompt.numel()
+        cache = self.model.new_cache()
+        logits = self.model(prompt[None], cache=cache)[0, -1]
+        for pool, layer in zip(self.pools, cache.layers, strict=True):
+            if "latent" in pool:
+                pool["latent"][slot, :T] = layer.latent[0]
+            else:
+                pool["window"][slot] = layer.conv_window[0]
+                pool["state"][slot] = layer.state[0]
+        self.lengths[slot] = T
+        return slot, logits
+
+    def release(self, slot: int) -> None:
+        """The sequence in `slot` has left; its row is reused by the next `add`."""
+        if not 0 <= slot < self.max_seqs or slot in self.free:
+            raise ValueError(f"slot {slot} is not in use")
+        self.free.append(slot)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Decode one token for each sequence: `tokens` int64 `[B]` at rows `slots` (int64 `[B]`, distinct, in
+        use). Returns the logits `[B, vocab]`; with CUDA graphs a buffer that the next step overwrites."""
+        if not self.cuda_graph:
+            return self._step(tokens, slots)
+        B = tokens.shape[0]
+        if B not in self._graphs:
+            self._graphs[B] = self._capture(B)
+        graph, static_tokens, static_slots, logits = self._graphs[B]
+        static_tokens.copy_(tokens)
+        static_slots.copy_(slots)
+        graph.replay()
+        return logits
+
+    def _capture(self, B: int) -> tuple:
+        """Record one step for batch size B as a CUDA graph, warming up (compiling the kernels) on the
+        scratch row so that no sequence's cache changes."""
+        device = self.lengths.device
+        tokens = torch.zeros(B, dtype=torch.long, device=device)
+        slots = torch.full((B,), self.scratch, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(tokens, slots)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._step(tokens, slots)
+        self.lengths[self.scratch] = 0
+        return graph, tokens, slots, logits
+
+    def _step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        x = model.embed(tokens)[:, None]  # [B, 1, D]
+        positions = self.lengths[slots]  # where the new token goes, [B]
+        lengths = positions + 1  # visible positions, the new one included
+        for block, pool in zip(model.blocks, self.pools, strict=True):
+            h = block.mixer_norm(x)
+            if isinstance(block.mixer, MLA):
+                x = x + self._mla(block.mixer, h, pool["latent"], slots, positions, lengths)
+            else:
+                x = x + self._kda(block.mixer, h, pool["window"], pool["state"], slots)
+            x = x + block.ffn(block.ffn_norm(x))
+        self.lengths.index_copy_(0, slots, lengths)
+        return model.lm_head(model.norm(x))[:, 0]
+
+    def _mla(self, layer, h, latent_pool, slots, positions, lengths):
+        """Absorbed-mode MLA for one token per sequence, its new row written into the pool first."""
+        cfg = layer.config
+        B = h.shape[0]
+        q = layer.q_proj(h).view(B, 1, cfg.num_heads, cfg.qk_head_dim + cfg.rope_head_dim)
+        latent_pool.index_put_((slots, positions.long()), layer.latents(h)[:, 0])
+        query = layer.absorb_query(q)  # [B, 1, H, r + d_r]
+        scale = (cfg.qk_head_dim + cfg.rope_head_dim) ** -0.5
+        if self.kernels:
+            from kda_edu.kernels.mla_decode import mla_absorbed_attention
+
+            o = mla_absorbed_attention(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
+        else:
+            o = mla_absorbed_reference(query, latent_pool, slots, lengths, scale, cfg.kv_rank)
+        return layer.project_out(layer.expand_output(o), h)
+
+    def _kda(self, layer, h, window_pool, state_pool, slots):
+        """One KDA step per sequence: `KDALayer.forward`'s inputs and output, the state updated in its row."""
+        cfg = layer.config
+        B = h.shape[0]
+        H, HV, K, V = cfg.num_heads, cfg.hv, cfg.head_dim, cfg.v_dim
+        qkv = torch.cat([layer.q_proj(h), layer.k_proj(h), layer.v_proj(h)], dim=-1)
+        qkv, window = layer.conv(qkv, window_pool[slots])
+        window_pool.index_copy_(0, slots, window)
+        q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
+        q = l2_normalize(q.reshape(B, 1, H, K))
+        k = l2_normalize(k.reshape(B, 1, H, K))
+        v = v.reshape(B, 1, HV, V)
+        f = (layer.f_proj(h) if cfg.full_rank_decay else layer.f_up(layer.f_down(h))).view(B, 1, HV, K)
+        if cfg.gate == "softplus":
+            g = kda_gate(f, layer.A_log, layer.dt_bias)
+        else:
+            g = kda_gate_lower_bound(f, layer.A_log, layer.dt_bias, lower_bound=cfg.lower_bound)
+        beta = beta_sigmoid(layer.b_proj(h))
+        if self.kernels:
+            from kda_edu.kernels import fused_recurrent_kda
+
+            o, _ = fused_recurrent_kda(
+                q, k, v, g, beta, initial_state=state_pool, inplace_final_state=True, state_indices=slots
+            )
+        else:
+            o, state = kda_step(q, k, v, g, beta, state_pool[slots])
+            state_pool.index_copy_(0, slots, state)
+        gate = layer.g_proj(h) if cfg.full_rank_output else layer.g_up(layer.g_down(h))
+        o = layer.o_norm(o, gate.view(B, 1, HV, V))
+        return layer.o_proj(o.reshape(B, 1, HV * V))
+
+
+@torch.no_grad()
+def mla_append(
+    layer, x: torch.Tensor, rows: torch.Tensor, length: int, mode: str, kernels: bool | None = None
+):
+    """Append the tokens x `[B, n, D]` to sequences whose `length` cached rows sit in `rows` `[B, L_max, r +
+    d_r]` (preallocated, `length + n <= L_max`), as a serving engine does: write the new rows in place, attend
+    from the new tokens to everything cached, return the layer's output `[B, n, D]`.
+
+    - `"mha"`: expand every cached latent into per-head keys and values (`H (d_k + d_r + d_v)` numbers per
+      position, bf16) and run PyTorch's fused attention (`scaled_dot_product_attention` with a lower-right
+      causal mask: token i sees the history and the new tokens up to itself).
+    - `"mqa"`: absorbed queries over the cached rows themselves, in `kda_edu.kernels.mla_decode` on a GPU
+      (`kernels`, None means on CUDA) or `mla_absorbed_reference` elsewhere.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    if mode not in ("mha", "mqa"):
+        raise ValueError(f"mode must be 'mha' or 'mqa', got {mode!r}")
+    B, n, _ = x.shape
+    if length + n > rows.shape[1]:
+        raise ValueError(f"rows hold {rows.shape[1]} positions, fewer than length + n = {length + n}")
+    cfg = layer.config
+    H, r, dk, dv, dr = cfg.num_heads, cfg.kv_rank, cfg.qk_head_dim, cfg.v_head_dim, cfg.rope_head_dim
+    S = length + n
+    q = layer.q_proj(x).view(B, n, H, dk + dr)
+    rows[:, length:S] = layer.latents(x)
+    scale = (dk + dr) ** -0.5
+    if mode == "mha":
+        cached = rows[:, :S]
+        k = layer.k_up(cached[..., :r]).view(B, S, H, dk)
+        if dr:
+            k = torch.cat([k, cached[:, :, None, r:].expand(B, S, H, dr)], dim=-1)
+        v = layer.v_up(cached[..., :r]).view(B, S, H, dv)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=causal_lower_right(n, S),
+            scale=scale,
+        ).transpose(1, 2)
+    else:
+        query = layer.absorb_query(q)  # [B, n, H, r + d_r]
+        slots = torch.arange(B, device=x.device)
+        lengths = torch.full((B,), S, device=x.device, dtype=torch.int32)
+        use_kernels = x.is_cuda if kernels is None else kernels
+        if use_kernels:
+            from kda_edu.kernels.mla_decode import mla_absorbed_attention
+
+            o = mla_absorbed_attention(query, rows, slots, lengths, scale, r)
+        else:
+            o = mla_absorbed_reference(query, rows, slots, lengths, scale, r)
+        o = layer.expand_output(o)
+    return layer.project_out(o, x)

@@ -1,0 +1,783 @@
+"""Chunked KDA forward in Triton: one kernel parallel over chunks, one sequential over them.
+
+This is `kda_edu.ops.kda.kda_chunked` (read its docstring first: the notation below is the same) turned into two
+kernels whose tiles stay small.
+
+Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, value head), all chunks at once. The chunk's 64
+rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in registers:
+    pass 1, KC key columns at a time: the blocks of A (keys against keys) and Aqk (queries against keys)
+        on and below the diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk);
+    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A, by forward
+        substitution (16 rows, element-wise float32: accurate when keys are nearly parallel, see
+        `_unit_lower_inverse`);
+    pass 2: w = (I + L)^-1 Diag(beta) (K * exp(gc)) by block forward substitution (the UT transform, 16 rows
+        at a time: r_a = (I + L_aa)^-1 (b_a - sum_{c < a} L_ac r_c)), kd = K * exp(gc_C - gc), exp(gc_C);
+    pass 3: u = (I + L)^-1 Diag(beta) V the same way;
+    pass 4, only with STORE_X (chunk_bwd.py's recomputation): X = (I + L)^-1 itself, the identity as b.
+    Nothing here depends on the state, so every chunk runs in parallel. Aqk is written whole (zeros above
+    the diagonal blocks), so the scan reads it without a mask.
+Kernel 2, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
+    with the state S (K x BV, float32, in registers for the whole sequence)
+        U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
+    four matrix products per chunk, two against S (w S, qg S) and two against U (Aqk U, kd^T U): the only
+    sequential work left.
+
+Between the two kernels go w, qg, kd, u, Aqk and exp(gc_C): about (3K + V + C) numbers per step and head,
+stored in the input's 16-bit dtype (float32 for float32 inputs). Their layout is [HV, chunk, row, column]:
+chunks are numbered over all sequences, so a packed batch (`cu_seqlens`) only changes which token a chunk
+starts at; a chunk never straddles two sequences.
+
+Overflow, and why the chunk is cut into blocks of 16 rows. The decay between steps j <= i of a chunk is
+exp(gc_i - gc_j) <= 1, but a matrix product needs it split into a row factor times a column factor. Split at
+the chunk start, exp(gc_i) * exp(-gc_j), the column factor reaches exp(64 * 5) = exp(320) for 64 steps of
+gates at -5: float32 overflows past exp(88.7). So every split is anchored where both factors stay bounded:
+  * block (a, c) left of the diagonal (j in block c < a): anchor at the end boundary e_c of block c. Row
+    factor exp(gc_i - e_c) <= 1 (i comes after the boundary), column factor exp(e_c - gc_j) <= 1 (j before
+    it). Both exponents are <= 0 whatever the gates, and both are gate sums over a few blocks computed
+    from per-block cumsums, so their rounding stays small; a factor that underflows to 0 only drops a
+    product that is smaller still.
+  * the 16 x 16 diagonal blocks: anchor at the block's middle row m. Each factor's exponent is bounded by
+    the gate sum over at most 8 steps: |exponent| <= 8 * 5 / ln 2 = 58 (in powers of two) for gates down to
+    -5, far inside float32's range (2^-126 .. 2^127). For gates so large that the half-block sum passes 96
+    powers of two (about -8.3 per step) the kernel switches, for that block only, to the exact pairwise form:
+    one column at a time, exp(gc_i - gc_j) with the exponent clipped at 0. Realistic gates never take that
+    branch; it is there so that no input produces inf or NaN.
+All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
+
+Why blocks of 16 and not whole-chunk tiles (bench/NOTES.md has the history): a 64 x 64 float32 tile costs 32
+registers a thread at 4 warps, and the whole-chunk inverse needs several alive at once; the earlier designs
+needed 255 registers and spilled. The 16 x 16 blocks cost many small products instead: speed now depends on
+how well those are scheduled (NOTES.md and bench/results/h200_forward.json: at (1, 8192, 32) v6 takes 1.300 ms
+against fla's 1.116 ms, 1.16x; v2 took 3.14 ms, 3.1x fla's 1.00 ms in its run). v6 still compiles to 255
+registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40.
+
+Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
+inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state
+use the 16-bit dtype with float32 accumulation. With float32 inputs every product is exact float32 ("ieee").
+Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable). The diagonal inverses
+use no product at all: element-wise float32 forward substitution.
+
+Resets and bad values. Gates are raised to GATE_FLOOR (-105, whose exp is 0 in float32) as they are loaded
+(`base2_gates`): a reset of -1000 or -inf decays exactly as before, and every gate sum stays finite and small.
+A NaN or inf in k, v or beta, or a NaN or +inf gate, at step t: the prepare kernel computes with zeros in
+its place (so every product stays finite, and the zeros of the causal masks multiply numbers) and writes
+NaN into row t of u; the scan kernel reads U with its non-finite rows as zeros for Aqk U and sets the outputs
+from the first such row on to NaN; the state update kd^T U reads the NaN rows, so the state after the chunk
+is NaN, as in the loop. The outputs before t are exact.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_edu.kernels._backend import check_device, interpreting
+from kda_edu.ops._checks import GATE_FLOOR, check_kda_inputs, resolve_scale
+
+CHUNK = 64  # steps per chunk (C)
+SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
+
+# Above this many powers of two, a half sub-chunk's gate sum is too large for the anchored split of the
+# diagonal block (both factors must stay normal float32 numbers, 2^-126 .. 2^127, with room for |k| < 1).
+DIAG_LIMIT = tl.constexpr(96.0)
+# Gates are raised to this as they are loaded (kda_edu.ops._checks.GATE_FLOOR: exp of it is 0 in float32), so a
+# reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
+KERNEL_GATE_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
+
+
+@triton.jit
+def base2_gates(x):
+    """Base-2 gates from loaded natural-log ones, raised to GATE_FLOOR first (NaN stays NaN)."""
+    x = x.to(tl.float32)
+    return tl.where(x < KERNEL_GATE_FLOOR, KERNEL_GATE_FLOOR, x) * 1.4426950408889634
+
+
+@triton.jit
+def load_rows(ptr, t, row_stride, cols, n_cols, t_end):
+    """Load a [len(t), len(cols)] tile whose row t starts at ptr + t * row_stride, zeros at t >= t_end.
+
+    The kernels pass chunk-local rows t (int32) and a pointer already moved to the chunk's first token, so
+    the per-element offsets stay 32-bit (64-bit offsets cost two registers per element)."""
+    mask = (t[:, None] < t_end) & (cols[None, :] < n_cols)
+    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token of chunk i_c and the end (exclusive) of its sequence, in tokens of the flattened [B * T]."""
+    if IS_VARLEN:
+        t0 = tl.load(chunks + 2 * i_c).to(tl.int64)
+        t_end = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    else:
+        i_b = (i_c // NT).to(tl.int64)
+        t0 = i_b * T + (i_c % NT) * BT
+        t_end = i_b * T + T
+    return t0, t_end
+
+
+@triton.jit
+def _substitute_row(L, X, i, r):
+    """Row i of forward substitution for X = (I + L)^-1: X_i = e_i - sum_{j < i} L_ij X_j."""
+    l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), axis=0)  # row i of L (zeros from column i on)
+    x_i = tl.sum(l_i[:, None] * X, axis=0)  # sum_j L_ij X_j; rows j >= i of X are still e_j
+    return tl.where(r[:, None] == i, X - x_i[None, :], X)
+
+
+@triton.jit
+def _unit_lower_inverse(L0, L1, L2, L3, BC: tl.constexpr):
+    """(I + L_a)^-1 of four strictly lower-triangular 16 x 16 blocks by forward substitution, one row at a
+    time and the four blocks side by side (independent chains), in float32 element-wise products (no
+    tl.dot). Row i reads only rows j < i, so a NaN in a later row never reaches an earlier one, and the
+    rounding stays that of the substitution: the Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) built
+    L^8, whose entries reach about 1.5e3 when keys are nearly parallel and beta is 1 (relative error 3.5e-4
+    in chunk_kda's float32 output, 6.5e-7 with the substitution; tests/kernels/test_numerics.py)."""
+    r = tl.arange(0, BC)
+    X0 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X1, X2, X3 = X0, X0, X0
+    for i in range(1, BC):
+        X0 = _substitute_row(L0, X0, i, r)
+        X1 = _substitute_row(L1, X1, i, r)
+        X2 = _substitute_row(L2, X2, i, r)
+        X3 = _substitute_row(L3, X3, i, r)
+    return X0, X1, X2, X3
+
+
+@triton.jit
+def _clean(x):
+    """x with its NaN and inf entries replaced by 0, and a flag per row: 1.0 where the row had one."""
+    ok = tl.abs(x) < float("inf")
+    return tl.where(ok, x, 0.0), tl.max(tl.where(ok, 0.0, 1.0), axis=1)
+
+
+@triton.jit
+def _spoil(x, bad):
+    """x with the rows flagged in `bad` (> 0) set to NaN."""
+    return tl.where(bad[:, None] > 0, float("nan"), x)
+
+
+@triton.jit
+def diag_span(gc_a, BC: tl.constexpr):
+    """Largest half-block gate sum (base 2) of a 16-row block: decides if the middle anchor is safe."""
+    rc = tl.arange(0, BC)
+    mid = tl.sum(tl.where((rc == BC // 2)[:, None], gc_a, 0.0), axis=0)
+    first = tl.sum(tl.where((rc == 0)[:, None], gc_a, 0.0), axis=0)
+    last = tl.sum(tl.where((rc == BC - 1)[:, None], gc_a, 0.0), axis=0)
+    span = tl.maximum(tl.max(first - mid, axis=0), tl.max(mid - last, axis=0))
+    return mid, span
+
+
+@triton.jit
+def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """The 16 x 16 diagonal blocks of the two gated Gram matrices of one block of rows, together:
+    Mk_ij = sum_c k_ic k_jc 2^(gc_ic - gc_jc) and Mq_ij = sum_c q_ic k_jc 2^(gc_ic - gc_jc) (entries j > i are
+    junk). Anchored at the block's middle row when its half-block gate sums allow it (`diag_span`), else the
+    exact pairwise form."""
+    mid, span = diag_span(gc_a, BC)
+    if span <= DIAG_LIMIT:
+        col = tl.trans(k_a * tl.exp2(mid[None, :] - gc_a))
+        row_f = tl.exp2(gc_a - mid[None, :])
+        Mk = tl.dot(k_a * row_f, col, input_precision=PREC)
+        Mq = tl.dot(q_a * row_f, col, input_precision=PREC)
+    else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
+        rc = tl.arange(0, BC)
+        Mk = tl.zeros([BC, BC], dtype=tl.float32)
+        Mq = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
+            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+            Mk = tl.where(rc[None, :] == j, tl.sum(k_a * e, axis=1)[:, None], Mk)
+            Mq = tl.where(rc[None, :] == j, tl.sum(q_a * e, axis=1)[:, None], Mq)
+    return Mk, Mq
+
+
+@triton.jit
+def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
+    """One off-diagonal block pair: (k_a, q_a) rows scaled by 2^exponent (<= 0) against col^T."""
+    row_f = tl.exp2(exponent)
+    return (
+        tl.dot(k_a * row_f, tl.trans(col), input_precision=PREC),
+        tl.dot(q_a * row_f, tl.trans(col), input_precision=PREC),
+    )
+
+
+@triton.jit
+def _solve(b0, b1, b2, b3, x0, x1, x2, x3, l10, l20, l21, l30, l31, l32, PREC: tl.constexpr):
+    """Block forward substitution: rows of (I + L)^-1 B, 16 at a time; x_a = (I + L_aa)^-1."""
+    r0 = tl.dot(x0, b0, input_precision=PREC)
+    r1 = tl.dot(x1, b1 - tl.dot(l10, r0, input_precision=PREC), input_precision=PREC)
+    r2 = b2 - tl.dot(l20, r0, input_precision=PREC) - tl.dot(l21, r1, input_precision=PREC)
+    r2 = tl.dot(x2, r2, input_precision=PREC)
+    r3 = b3 - tl.dot(l30, r0, input_precision=PREC) - tl.dot(l31, r1, input_precision=PREC)
+    r3 = tl.dot(x3, r3 - tl.dot(l32, r2, input_precision=PREC), input_precision=PREC)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
+    """Store a [BC, len(cols)] tile as rows row0 + a * BC ... of a buffer with n_cols columns."""
+    r = (row0 + a * BC + tl.arange(0, BC)).to(tl.int64)
+    tl.store(ptr + r[:, None] * n_cols + cols[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _key_block(k_h, g_h, t, cols, H, HV, K, n_t):
+    """Rows t of the keys and the base-2 gate cumsum over them in key columns `cols` (gates through `base2_gates`),
+    with NaN / inf keys and NaN / +inf gates replaced by 0, and a flag per row: 1.0 where it had one."""
+    k, bad = _clean(load_rows(k_h, t, H * K, cols, K, n_t).to(tl.float32))
+    g = load_rows(g_h, t, HV * K, cols, K, n_t).to(tl.float32)
+    ok = g < float("inf")
+    bad = tl.maximum(bad, tl.max(tl.where(ok, 0.0, 1.0), axis=1))
+    return k, tl.cumsum(tl.where(ok, base2_gates(g), 0.0), axis=0), bad
+
+
+@triton.jit
+def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
+    """The chunk's four 16-row blocks of keys and base-2 gates in key columns `cols`: k_a, the within-block
+    gate cumsums l_a (<= 0), the block gate sums s_a ([1, len(cols)]) and the rows' flags f_a (`_key_block`),
+    for a = 0..3."""
+    rc = tl.arange(0, BC)
+    last = (rc == BC - 1)[:, None]
+    k0, l0, f0 = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
+    k1, l1, f1 = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
+    k2, l2, f2 = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
+    k3, l3, f3 = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
+    s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
+    s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
+    s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
+    s3 = tl.sum(tl.where(last, l3, 0.0), axis=0)[None, :]
+    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3
+
+
+@triton.jit(do_not_specialize=["NT"])
+def _chunk_prepare_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,  # inputs [B, T, H, K] / [B, T, HV, V] / [B, T, HV, K] / [B, T, HV], contiguous
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    gl,  # outputs [HV, NCH * BT, BK | BV | BK | BK | BT] and [HV, NCH, BK]
+    x_inv,  # with STORE_X: X = (I + L)^-1, float32 [HV, NCH * BT, BT] (the backward keeps it)
+    chunks,  # varlen only: int32 [NCH, 2] (first token, end of its sequence)
+    T,
+    H,
+    HV,
+    K,
+    V,
+    NT,
+    NCH,
+    scale,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    KC: tl.constexpr,
+    VC: tl.constexpr,
+    PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    STORE_X: tl.constexpr = False,
+):
+    """One program per (chunk, value head): everything of the chunk that does not depend on the state.
+
+    The chunk's 64 rows are four blocks of 16 (0..3); every matrix is kept as 16 x 16 blocks in registers.
+    Pass 1 (KC key columns at a time): the blocks of A and Aqk, and qg. Then the inverses of the diagonal
+    blocks of I + L. Pass 2: w and kd by block forward substitution; pass 3: u the same way; with STORE_X,
+    pass 4: X = (I + L)^-1 into x_inv (the backward's recomputation; the forward passes None).
+    """
+    tl.static_assert(BT == 4 * BC)
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)  # valid rows of this chunk (64 except at a sequence's end)
+    q_h = q + t0 * H * K + i_h * K  # row t of the chunk in q / k is at q_h + t * H * K
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    v_h = v + t0 * HV * V + i_hv * V
+    b_h = beta + t0 * HV + i_hv
+    rc = tl.arange(0, BC)
+    t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
+    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT  # first row of this chunk in the intermediates
+
+    # Pass 1: A_ac and Aqk_ac (a >= c) accumulated over key columns. Block pair (a, c < a) is anchored at
+    # the end boundary e_c of block c: row factor 2^(gc_i - e_c) = 2^(loc_i + gates of the blocks between),
+    # column factor 2^(e_c - gc_j) = 2^(tot_c - loc_j); both exponents <= 0 whatever the gates.
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
+    q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
+    a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
+    # Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros there; their rows of u
+    # are set to NaN, and the scan kernel spoils the outputs from the first such row on (and the state).
+    bad0 = tl.zeros([BC], dtype=tl.float32)
+    bad1, bad2, bad3 = bad0, bad0, bad0
+    for kc in range(0, BK, KC):
+        cols = kc + tl.arange(0, KC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
+        )
+        bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
+        bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
+        c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+
+        q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
+        q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k1, q1, l1, c0, PREC)
+        a10, q10 = a10 + x, q10 + y
+        q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k2, q2, l2 + s1, c0, PREC)
+        a20, q20 = a20 + x, q20 + y
+        x, y = _pair(k2, q2, l2, c1, PREC)
+        a21, q21 = a21 + x, q21 + y
+        q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
+        a30, q30 = a30 + x, q30 + y
+        x, y = _pair(k3, q3, l3 + s2, c1, PREC)
+        a31, q31 = a31 + x, q31 + y
+        x, y = _pair(k3, q3, l3, c2, PREC)
+        a32, q32 = a32 + x, q32 + y
+        x, y = _diag_grams(k0, q0, l0, BC, PREC)
+        a00, q00 = a00 + x, q00 + y
+        x, y = _diag_grams(k1, q1, l1, BC, PREC)
+        a11, q11 = a11 + x, q11 + y
+        x, y = _diag_grams(k2, q2, l2, BC, PREC)
+        a22, q22 = a22 + x, q22 + y
+        x, y = _diag_grams(k3, q3, l3, BC, PREC)
+        a33, q33 = a33 + x, q33 + y
+        # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
+        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
+
+    # Aqk: the blocks on and below the diagonal (lower triangle of the diagonal blocks), zeros above.
+    lower_eq = rc[:, None] >= rc[None, :]
+    cc = tl.arange(0, BC)
+    _store_block(aqk, row0, 0, BC, BT, cc, tl.where(lower_eq, q00, 0.0))
+    _store_block(aqk, row0, 1, BC, BT, cc, q10)
+    _store_block(aqk, row0, 1, BC, BT, BC + cc, tl.where(lower_eq, q11, 0.0))
+    _store_block(aqk, row0, 2, BC, BT, cc, q20)
+    _store_block(aqk, row0, 2, BC, BT, BC + cc, q21)
+    _store_block(aqk, row0, 2, BC, BT, 2 * BC + cc, tl.where(lower_eq, q22, 0.0))
+    _store_block(aqk, row0, 3, BC, BT, cc, q30)
+    _store_block(aqk, row0, 3, BC, BT, BC + cc, q31)
+    _store_block(aqk, row0, 3, BC, BT, 2 * BC + cc, q32)
+    _store_block(aqk, row0, 3, BC, BT, 3 * BC + cc, tl.where(lower_eq, q33, 0.0))
+    zero = tl.zeros([BC, BC], dtype=tl.float32)  # and the blocks above the diagonal, so that Aqk reads whole
+    _store_block(aqk, row0, 0, BC, BT, BC + cc, zero)
+    _store_block(aqk, row0, 0, BC, BT, 2 * BC + cc, zero)
+    _store_block(aqk, row0, 0, BC, BT, 3 * BC + cc, zero)
+    _store_block(aqk, row0, 1, BC, BT, 2 * BC + cc, zero)
+    _store_block(aqk, row0, 1, BC, BT, 3 * BC + cc, zero)
+    _store_block(aqk, row0, 2, BC, BT, 3 * BC + cc, zero)
+
+    # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
+    b0, f0 = _clean(tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None])
+    b1, f1 = _clean(tl.load(b_h + t_1 * HV, mask=t_1 < n_t, other=0.0).to(tl.float32)[:, None])
+    b2, f2 = _clean(tl.load(b_h + t_2 * HV, mask=t_2 < n_t, other=0.0).to(tl.float32)[:, None])
+    b3, f3 = _clean(tl.load(b_h + t_3 * HV, mask=t_3 < n_t, other=0.0).to(tl.float32)[:, None])
+    bad0, bad1, bad2, bad3 = (
+        tl.maximum(bad0, f0),
+        tl.maximum(bad1, f1),
+        tl.maximum(bad2, f2),
+        tl.maximum(bad3, f3),
+    )
+    strict = rc[:, None] > rc[None, :]
+    x0, x1, x2, x3 = _unit_lower_inverse(
+        tl.where(strict, b0 * a00, 0.0),
+        tl.where(strict, b1 * a11, 0.0),
+        tl.where(strict, b2 * a22, 0.0),
+        tl.where(strict, b3 * a33, 0.0),
+        BC,
+    )
+    a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
+
+    # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
+    for kc in range(0, BK, KC):
+        cols = kc + tl.arange(0, KC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, _, _, _, _ = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
+        )
+        r0, r1, r2, r3 = _solve(
+            b0 * k0 * tl.exp2(l0), b1 * k1 * tl.exp2(l1 + s0), b2 * k2 * tl.exp2(l2 + s0 + s1),
+            b3 * k3 * tl.exp2(l3 + s0 + s1 + s2), x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+        )  # fmt: skip
+        _store_block(w, row0, 0, BC, BK, cols, r0)
+        _store_block(w, row0, 1, BC, BK, cols, r1)
+        _store_block(w, row0, 2, BC, BK, cols, r2)
+        _store_block(w, row0, 3, BC, BK, cols, r3)
+        # gc_C - gc_j for j in block a = (s_a - loc_j) + the gate sums of the blocks after a: <= 0.
+        _store_block(kd, row0, 0, BC, BK, cols, k0 * tl.exp2(s0 - l0 + s1 + s2 + s3))
+        _store_block(kd, row0, 1, BC, BK, cols, k1 * tl.exp2(s1 - l1 + s2 + s3))
+        _store_block(kd, row0, 2, BC, BK, cols, k2 * tl.exp2(s2 - l2 + s3))
+        _store_block(kd, row0, 3, BC, BK, cols, k3 * tl.exp2(s3 - l3))
+        tl.store(gl + row0 // BT * BK + cols[None, :], tl.exp2(s0 + s1 + s2 + s3))
+
+    # Pass 3: u = (I + L)^-1 Diag(beta) V, with NaN in the rows flagged above or with a bad value here.
+    for vc in range(0, BV, VC):
+        cols = vc + tl.arange(0, VC)
+        v0, e0 = _clean(load_rows(v_h, t_0, HV * V, cols, V, n_t).to(tl.float32))
+        v1, e1 = _clean(load_rows(v_h, t_1, HV * V, cols, V, n_t).to(tl.float32))
+        v2, e2 = _clean(load_rows(v_h, t_2, HV * V, cols, V, n_t).to(tl.float32))
+        v3, e3 = _clean(load_rows(v_h, t_3, HV * V, cols, V, n_t).to(tl.float32))
+        r0, r1, r2, r3 = _solve(
+            b0 * v0, b1 * v1, b2 * v2, b3 * v3, x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+        )  # fmt: skip
+        _store_block(u, row0, 0, BC, BV, cols, _spoil(r0, bad0 + e0))
+        _store_block(u, row0, 1, BC, BV, cols, _spoil(r1, bad1 + e1))
+        _store_block(u, row0, 2, BC, BV, cols, _spoil(r2, bad2 + e2))
+        _store_block(u, row0, 3, BC, BV, cols, _spoil(r3, bad3 + e3))
+    if STORE_X:  # pass 4: X itself, the same substitution with the identity as right-hand side
+        for xc in range(0, BT, VC):
+            cols = xc + tl.arange(0, VC)
+            r0, r1, r2, r3 = _solve(
+                tl.where(t_0[:, None] == cols[None, :], 1.0, 0.0),
+                tl.where(t_1[:, None] == cols[None, :], 1.0, 0.0),
+                tl.where(t_2[:, None] == cols[None, :], 1.0, 0.0),
+                tl.where(t_3[:, None] == cols[None, :], 1.0, 0.0),
+                x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
+            )  # fmt: skip
+            _store_block(x_inv, row0, 0, BC, BT, cols, r0)
+            _store_block(x_inv, row0, 1, BC, BT, cols, r1)
+            _store_block(x_inv, row0, 2, BC, BT, cols, r2)
+            _store_block(x_inv, row0, 3, BC, BT, cols, r3)
+
+
+@triton.jit
+def seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
+    """First chunk (global index) and number of chunks of sequence i_n (a batch row without cu_seqlens)."""
+    if IS_VARLEN:
+        c0 = tl.load(offsets + i_n)
+        n_chunks = tl.load(offsets + i_n + 1) - c0
+    else:
+        c0 = i_n * NT
+        n_chunks = NT
+    return c0, n_chunks
+
+
+@triton.jit(do_not_specialize=["NT"])
+def _chunk_scan_kernel(
+    w,
+    u,
+    qg,
+    kd,
+    aqk,
+    gl,  # from the two kernels above
+    o,
+    h0,
+    ht,  # output [B, T, HV, V]; initial / final state [N, HV, K, V] float32
+    cu_seqlens,
+    chunk_offsets,  # varlen only: int [N + 1] token and chunk offsets of each sequence
+    T,
+    HV,
+    K,
+    V,
+    NT,
+    NCH,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BVP: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """One program per (value block, sequence x value head): the state pass and the output, chunk after chunk."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    c0, n_chunks = seq_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    s_mask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_off = i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + s_off, mask=s_mask, other=0.0)
+
+    o_h = o + i_hv * V
+    for n in range(n_chunks):
+        c = (i_hv * NCH + c0 + n).to(tl.int64)  # the chunk's index in the intermediates
+        r = (c * BT + rows)[:, None]
+        w_n = tl.load(w + r * BK + ck[None, :])
+        qg_n = tl.load(qg + r * BK + ck[None, :])
+        kd_n = tl.load(kd + r * BK + ck[None, :])
+        u_n = tl.load(u + r * BVP + cv[None, :])
+        a_n = tl.load(aqk + r * BT + rows[None, :])
+        decay = tl.load(gl + c * BK + ck)
+
+        s_lo = S.to(w_n.dtype)
+        u_n = u_n.to(tl.float32) - tl.dot(w_n, s_lo, input_precision=PREC)
+        u_lo = u_n.to(w_n.dtype)
+        # A row of U that is not finite (a bad input at that step, marked by the prepare kernel) spoils the
+        # outputs from it on and the state; Aqk U reads the rows with it replaced by 0 (Aqk's zeros above the
+        # diagonal times a NaN would spoil the earlier outputs too), and the later outputs are set to NaN.
+        u_ok, bad = _clean(u_n)
+        o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(a_n, u_ok.to(w_n.dtype), input_precision=PREC)
+        o_n = _spoil(o_n, tl.cumsum(bad, axis=0))
+        S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)
+
+        t = bos + n * BT + rows
+        o_mask = (t[:, None] < eos) & (cv[None, :] < V)
+        tl.store(o_h + t[:, None] * HV * V + cv[None, :], o_n.to(o.dtype.element_ty), mask=o_mask)
+
+    if STORE_HT:
+        tl.store(ht + s_off, S, mask=s_mask)
+
+
+def pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    keep_intermediates: bool = False,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA with Triton kernels; the contract of `kda_edu.ops.kda.kda_chunked`, with the differences below.
+
+    The forward runs two kernels (module docstring). When any input requires a gradient, the call goes
+    through `kda_edu.kernels.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
+    beta and initial_state.
+
+    Args:
+        q: queries `[B, T, H, K]`, bfloat16, float16 or float32; K <= 256.
+        k: keys `[B, T, H, K]`, same dtype as q (usually L2-normalised).
+        v: values `[B, T, HV, V]`, same dtype as q, HV a multiple of H; V <= 256.
+        g: log-space decay per key channel `[B, T, HV, K]`, any floating dtype, <= 0.
+        beta: write strength `[B, T, HV]`, any floating dtype, in [0, 1].
+        scale: query scale; `K ** -0.5` when None.
+        initial_state: optional `[B, HV, K, V]` float32 (`[N, HV, K, V]` with cu_seqlens); zeros when None.
+        output_final_state: also return the state after the last step (of each sequence).
+        cu_seqlens: optional int32/int64 `[N + 1]` cumulative sequence lengths (FlashAttention's convention)
+            for N sequences packed along T with B = 1; each sequence runs as if alone, from its own state.
+        keep_intermediates: only with gradients: keep the forward's chunk intermediates (w, u, qg, kd, Aqk
+            and X = (I + L)^-1, about 1.1 times the bytes of q, k, v and g together at K = V = 128 in bf16)
+            until the backward, instead of recomputing them there. The backward then skips its first kernel;
+            the memory held between forward and backward grows by those bytes, its peak does not.
+        check_inputs: check the values of g (<= 0, not NaN; -inf is a reset) and beta (in [0, 1], not NaN),
+            as `kda_chunked` does: one reduction over g and beta and one device-to-host copy of its result
+            (a synchronisation on a GPU). False skips it; the kernels then compute the same formulas on
+            whatever they get, and an out-of-range g or beta gives an undefined result (inf, NaN or wrong).
+            Skipped too while a CUDA graph is being captured (no synchronisation is allowed there, and a
+            replay runs no Python).
+
+    What is checked, always and from metadata only: the shapes, dtypes and devices of every tensor, and that
+    the kernels can run where the tensors are (`kda_edu.kernels._backend.check_device`: CPU tensors under the
+    interpreter, CUDA tensors when compiled, bfloat16 only from compute capability 8.0). cu_seqlens' values
+    are checked too (one small copy to the host: they decide which memory the kernels read). Never checked:
+    the values of q, k, v and initial_state. As in `kda_chunked`, a NaN or inf in the key or value of step t
+    makes the outputs from t on NaN and leaves the earlier ones exact (the kernels run that step as a zero
+    step and set the outputs from it on to NaN); a non-finite query spoils only its own output.
+    Gates below `kda_edu.ops._checks.GATE_FLOOR` (-105) are raised to it as they are loaded: the same decay,
+    exactly 0 in float32.
+
+    Returns:
+        `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` (`[N, HV, K, V]` with
+        cu_seqlens) float32, or None.
+    """
+    from kda_edu.kernels.fused_recurrent import check_varlen_state, validate_cu_seqlens
+
+    B, T, H, HV, K, V = check_kda_inputs(
+        q, k, v, g, beta, initial_state if cu_seqlens is None else None, check_values=False
+    )
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q, k, v must be bfloat16, float16 or float32 for chunk_kda, got {q.dtype}")
+    if K > 256 or V > 256:
+        raise ValueError(
+            f"chunk_kda supports K, V <= 256 (q is [B, T, H, K], v is [B, T, HV, V]), got K={K}, V={V}"
+        )
+    check_device(q)
+    if cu_seqlens is not None:
+        N = validate_cu_seqlens(cu_seqlens, B, T, q.device)
+        cu_seqlens = cu_seqlens.contiguous()  # the scan kernel reads it through its pointer
+        if initial_state is not None:
+            check_varlen_state(initial_state, N, HV, K, V, q.device)
+    if check_inputs and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_gate_values(g, beta)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    scale = resolve_scale(scale, K)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
+        from kda_edu.kernels.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
+
+        return ChunkKDAFunction.apply(
+            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, bool(keep_intermediates)
+        )
+    return chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+
+
+def check_gate_values(g: torch.Tensor, beta: torch.Tensor) -> None:
+    """Raise a ValueError unless g <= 0 and 0 <= beta <= 1 everywhere (NaN fails both), with one
+    device-to-host copy (the messages, on the error path, cost more)."""
+    ok = torch.stack([(g <= 0).all(), ((beta >= 0) & (beta <= 1)).all()])
+    g_ok, beta_ok = ok.tolist()
+    if not g_ok:
+        raise ValueError(
+            f"g of shape [B, T, HV, K] must be <= 0 (a log-space decay) and not NaN, got max {g.max():.4g} "
+            "(chunk_kda(..., check_inputs=False) skips this check)"
+        )
+    if not beta_ok:
+        lo, hi = torch.aminmax(beta)
+        raise ValueError(
+            f"beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in [{lo:.4g}, {hi:.4g}] "
+            "(chunk_kda(..., check_inputs=False) skips this check)"
+        )
+
+
+def chunk_layout(T: int, B: int = 1, cu_seqlens: torch.Tensor | None = None, chunk: int = CHUNK):
+    """How the kernels cut the tokens into chunks: `(NT, NCH, chunks, offsets)`.
+
+    Without cu_seqlens: NT = chunks per sequence, NCH = B * NT chunks in all, chunk i_c covers sequence
+    i_c // NT (the kernels compute the rest). With cu_seqlens (N sequences packed along T): NCH = the sum
+    of ceil(T_n / chunk), `chunks` an int32 `[NCH, 2]` table (first token, end of its sequence) and `offsets`
+    int32 `[N + 1]`, the first chunk of each sequence; a sequence never shares a chunk with another.
+    """
+    if cu_seqlens is None:
+        NT = triton.cdiv(T, chunk)
+        return NT, B * NT, None, None
+    cu = cu_seqlens.tolist()
+    table, offsets = [], [0]
+    for bos, eos in zip(cu[:-1], cu[1:], strict=True):
+        table += [(t, eos) for t in range(bos, eos, chunk)]
+        offsets.append(len(table))
+    dev = cu_seqlens.device
+    chunks = torch.tensor(table if table else [(0, 0)], dtype=torch.int32).to(dev)
+    return 0, len(table), chunks, torch.tensor(offsets, dtype=torch.int32).to(dev)
+
+
+def work_precision(dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """What the kernels keep their intermediates in, and the input precision of their products, for inputs
+    of `dtype`: float32 and exact ("ieee") products for float32 inputs; else the input's 16-bit dtype and
+    tf32 products. Triton's interpreter keeps everything in float32."""
+    idt = torch.float32 if (interpreting() or dtype == torch.float32) else dtype
+    return idt, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def scan_value_block(programs: int, V: int, BVP: int) -> int:
+    """Value columns per program of a pass over the chunks of each sequence (`_chunk_scan_kernel`, and the
+    backward's two state passes). Their only parallelism is `programs` (sequences x value heads) times the
+    value blocks: with few of them, narrower blocks keep the GPU's 100+ multiprocessors busy."""
+    bv = min(BVP, 32)
+    if not interpreting() and programs * triton.cdiv(V, bv) < 128:
+        bv = 16
+    return bv
+
+
+def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4):
+    """Allocate the prepare kernel's outputs and launch it on contiguous inputs; forward and backward share
+    this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
+
+    Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
+    and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
+    x (X = (I + L)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
+    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT, NCH, chunks, _ = layout
+    BT, BK, BVP = CHUNK, pow2(K), pow2(V)
+    idt, prec = work_precision(q.dtype)
+    rows, lo = HV * NCH * BT, dict(device=q.device, dtype=idt)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    buffers = dict(
+        w=torch.empty(rows, BK, **lo),
+        u=torch.empty(rows, BVP, **lo),
+        qg=torch.empty(rows, BK, **lo),
+        kd=torch.empty(rows, BK, **lo),
+        aqk=torch.empty(rows, BT, **lo),
+        gl=torch.empty(HV * NCH, BK, **f32),
+        x=torch.empty(rows, BT, **f32) if store_x else None,
+    )
+    if NCH == 0:
+        return buffers, None
+    kc = kc or min(32, BK)
+    w, u, qg, kd, aqk, gl, x = buffers.values()
+    kernel = _chunk_prepare_kernel[(NCH, HV)](
+        q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
+        BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=chunks is not None,
+        STORE_X=store_x, num_warps=warps,
+    )  # fmt: skip
+    return buffers, kernel
+
+
+def chunk_kda_fwd(
+    q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
+    bv=None, kc=None, warps_prepare=4, warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
+):  # fmt: skip
+    """Launch the two kernels on validated inputs.
+
+    The keywords after cu_seqlens are tuning knobs that bench/kernels/tune_chunk.py sweeps: `bv` value columns per
+    scan program, `kc` key (and value) columns per step of the prepare kernel's passes, `warps_*` warps per
+    program of each kernel, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the
+    first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory of each.
+    `keep`, a dict, receives the prepare kernel's outputs (w, u, qg, kd, aqk, gl) and X = (I + L)^-1, which
+    the prepare then also writes (STORE_X): everything the backward would otherwise recompute first.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT, BK, BVP = CHUNK, pow2(K), pow2(V)
+    layout = chunk_layout(T, B, cu_seqlens)
+    NT, NCH, _, offsets = layout
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    prec = work_precision(q.dtype)[1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+
+    dev = q.device
+    o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    buffers, kernel = prepare_chunks(
+        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare
+    )
+    if keep is not None:
+        keep.update(buffers)
+    if kernel is not None:
+        if info is not None:
+            info["prepare"] = _resources(kernel)
+        if stop_after is not None:
+            return None, None
+    if N * HV == 0 or V == 0:
+        return o, ht
+
+    w, u, qg, kd, aqk, gl = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
+    if bv is None:
+        bv = scan_value_block(N * HV, V, BVP)
+    if BK * w.element_size() > 512:
+        stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
+    kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
+        w, u, qg, kd, aqk, gl, o, h0, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
+        IS_VARLEN=cu_seqlens is not None, num_warps=warps_scan, num_stages=stages,
+    )  # fmt: skip
+    if info is not None:
+        info["scan"] = _resources(kernel)
+    return o, ht
+
+
+def _resources(kernel):
+    """Registers, spilled registers and shared memory of a launched kernel (empty under the interpreter)."""
+    meta = getattr(kernel, "metadata", None)
+    if meta is None:
+        return {}
+    return dict(regs=kernel.n_regs, spills=kernel.n_spills, shared=meta.shared)

@@ -1,0 +1,605 @@
+"""Chunked KDA backward in Triton, and the `torch.autograd.Function` that makes `chunk_kda` differentiable.
+
+Read `kda_edu.ops.kda.kda_chunked` and `kda_edu.kernels.chunk` first: the notation is theirs. Per chunk (C = 64
+steps, gc the within-chunk gate cumsum, S0 the state entering the chunk, X = (I + A)^-1 with A the strictly
+lower gated key Gram matrix with beta inside, as in `kda_chunked` and chapter 6; chunk.py keeps beta apart and
+calls this matrix L = Diag(beta) A):
+
+    U   = u - w S0                          u = X Diag(beta) V,  w = X Diag(beta) (K * exp(gc))
+    O   = qg S0 + Aqk U                     qg = scale Q * exp(gc)
+    S_C = Diag(exp(gc_C)) S0 + kd^T U       kd = K * exp(gc_C - gc)
+
+Differentiating these three lines, with dO given and dS = dL/dS_C arriving from the next chunk:
+
+    dU  = Aqk^T dO + kd dS                            (the values written, seen from the loss)
+    dS0 = qg^T dO + Diag(exp(gc_C)) dS - w^T dU        (passed on to the previous chunk)
+    dqg = dO S0^T,  dkd = U dS^T,  dw = -dU S0^T,  dAqk = dO U^T,  d exp(gc_C) = rowsum(S0 * dS)
+
+Only dS0 couples the chunks: it runs backwards through time, the mirror image of the forward state pass.
+Everything else is local to a chunk once S0, dS, U and dU are known. Then through the UT transform: with
+du' = X^T dU and dw' = X^T dw, the gradient of (I + A) is -X^T dX X^T, which collapses to
+
+    dV = Diag(beta) du',   dA = -(du' u^T + dw' w^T) (strictly lower part),   d(K exp(gc)) = Diag(beta) dw'
+
+(no product with X twice). Finally the gated Gram matrices A_ij = sum_c (beta_i k_ic) k_jc exp(gc_ic - gc_jc)
+and Aqk_ij = sum_c (scale q_ic) k_jc exp(gc_ic - gc_jc): for M_ij = sum_c a_ic b_jc exp(gc_ic - gc_jc),
+
+    da_i = sum_j dM_ij b_j exp(gc_i - gc_j),   db_j = sum_i dM_ij a_i exp(gc_i - gc_j),
+    dgc  = a * da - b * db
+
+and every term `x * exp(f(gc))` adds `x * dx` to dgc. The gate g enters only through gc = cumsum(g), so
+dg is the reverse cumulative sum of dgc within the chunk (the chunk-end terms land on its last row).
+
+The kernels, in order (all but the two passes are parallel over chunks):
+
+    1-2. chunk.py's `_chunk_prepare_kernel` again, with STORE_X: the forward's intermediates (w, u, qg, kd,
+       Aqk, exp(gc_C)) plus X = (I + A)^-1, one more block substitution with the identity as right-hand side.
+    3. `_states_kernel`: the forward state pass again, storing each chunk's S0 and U.
+    4. `_dstates_kernel`: the backward state pass, storing each chunk's dS and dU; gives dS for h0.
+    5. `_local_v_kernel`: everything that sums over the value dimension (products against S0, dS, U, dU, V):
+       dv, the element-wise parts of dq, dk, dgc, dbeta, and the C x C matrices dA and dAqk.
+    6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, then dg = reverse cumsum of dgc.
+    5 and 6 each run one program per (chunk, value head, block of key channels): every term is per key
+    channel except dbeta and dA, sums over the channels, which each block writes as its share. The launcher
+    adds the dbeta shares; 6 adds 5's dA shares as it loads them. The terms without a key channel (dv, dAqk)
+    come from the first block only, a launch of its own (FIRST). With one value head per key head and 16-bit
+    inputs, 6 writes the finished dq and dk in the inputs' dtype.
+
+Variable-length batches (`cu_seqlens`, N sequences packed along T with B = 1) use the forward's layout
+(chunk.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
+and the intermediates are indexed by chunk, [HV, NCH, ...]. The parallel kernels (1-2, 5, 6) run one program
+per chunk and value head (and key block) and read the chunk's first token and its sequence's end from the chunk table, so they
+never see a step of another sequence. The two passes (3, 4) run one program per (value block, sequence x value
+head) over that sequence's chunks only (per-sequence chunk offsets), starting from its h0 (3) or dht (4);
+pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
+Without cu_seqlens, chunk i_c is chunk i_c % NT of batch row i_c // NT, with no table (IS_VARLEN = False).
+
+What the forward keeps: by default only q, k, v, g, beta, h0 and cu_seqlens (chunk.py's launcher, untouched),
+and the backward recomputes everything else; with `keep_intermediates=True` the forward also keeps its prepare
+kernel's outputs and X (written with STORE_X), and the backward skips 1-2. Recomputing 1-2 costs O(T C K)
+parallel work, about a forward's prepare; storing them costs (3K + V + 2C) numbers per step and head, held
+from the forward to the backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be
+recomputed locally: they are stored for the duration of the backward only, in the 16-bit input dtype
+(float32 for float32 inputs), the precision the forward itself multiplies them in.
+
+Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
+before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use
+the middle-row anchor when the gates allow it and the exact pairwise form otherwise (see chunk.py).
+Rounding: kernels 5 and 6 take each exponent as a sum of consecutive gates (the gates before a row, after it
+up to the chunk's end or a block boundary, between two rows of a block), never as the difference of two
+cumsums: after a reset (a gate at GATE_FLOOR, -151 in base 2) two cumsums are both large and their difference
+keeps only ~1e-5 of its value, a relative error of that size in every decay after the reset.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
+    CHUNK,
+    DIAG_LIMIT,
+    KERNEL_GATE_FLOOR,
+    SUB,
+    base2_gates,
+    chunk_kda_fwd,
+    chunk_layout,
+    chunk_span,
+    diag_span,
+    load_rows,
+    pow2,
+    prepare_chunks,
+    scan_value_block,
+    seq_chunks,
+    work_precision,
+)
+
+
+@triton.jit
+def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """Backward of the diagonal blocks of both Gram matrices (A: rows beta k; Aqk: rows scale q; columns k),
+    for masked dA and dQ: returns d(beta k), d(scale q) and the column-side dk of the two together.
+
+    g_a: the block's base-2 gates. The decay of pair (i, j) is 2^(gates j+1 .. i); the anchored form takes it
+    as a difference of the cumsum of gates 1 .. i (row 0's gate, a reset there included, never enters a pair),
+    the pairwise form as a sum of the gates themselves, so that a reset inside the block costs no precision."""
+    rc = tl.arange(0, BC)
+    lx = tl.cumsum(tl.where((rc > 0)[:, None], g_a, 0.0), axis=0)
+    mid, span = diag_span(lx, BC)
+    if span <= DIAG_LIMIT:
+        row_f = tl.exp2(lx - mid[None, :])
+        k_col = k_a * tl.exp2(mid[None, :] - lx)
+        da_kk = tl.dot(dA, k_col, input_precision=PREC) * row_f
+        da_qk = tl.dot(dQ, k_col, input_precision=PREC) * row_f
+        db = tl.dot(tl.trans(dA), bk_a * row_f, input_precision=PREC)
+        db = (db + tl.dot(tl.trans(dQ), qs_a * row_f, input_precision=PREC)) * tl.exp2(mid[None, :] - lx)
+    else:  # exact pairwise form, one column j at a time: e_ij = 2^(gates j+1 .. i), 1 for i <= j
+        da_kk = tl.zeros(k_a.shape, dtype=tl.float32)
+        da_qk = tl.zeros(k_a.shape, dtype=tl.float32)
+        db = tl.zeros(k_a.shape, dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            kj = tl.sum(tl.where(pick, k_a, 0.0), axis=0)[None, :]
+            e = tl.exp2(tl.cumsum(tl.where((rc > j)[:, None], g_a, 0.0), axis=0))
+            ea = e * tl.sum(tl.where(rc[None, :] == j, dA, 0.0), axis=1)[:, None]  # column j of dA
+            eq = e * tl.sum(tl.where(rc[None, :] == j, dQ, 0.0), axis=1)[:, None]
+            da_kk += ea * kj
+            da_qk += eq * kj
+            db = tl.where(pick, tl.sum(ea * bk_a + eq * qs_a, axis=0)[None, :], db)
+    return da_kk, da_qk, db
+
+
+@triton.jit
+def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
+    """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t)."""
+    k_a = load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
+    qs_a = load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
+    g_a = base2_gates(load_rows(g_h, ta, HV * K, ck, K, n_t))
+    beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
+    return k_a, qs_a, g_a, beta_a
+
+
+@triton.jit
+def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Place a [BC, BK] block as rows a*BC .. a*BC + BC - 1 of a zero [NB*BC, BK] tile."""
+    rows = tl.arange(0, NB * BC)
+    rep = tl.reshape(tl.broadcast_to(x_a[None, :, :], [NB, BC, BK]), [NB * BC, BK])
+    return tl.where((rows // BC == a)[:, None], rep, 0.0)
+
+
+@triton.jit(do_not_specialize=["NT"])
+def _states_kernel(
+    w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
+    offsets,  # varlen only: int32 [N + 1] first chunk of each sequence
+    HV, K, V, NT, NCH,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """Per (value block, sequence x value head): the forward state pass again, from that sequence's h0,
+    storing the state entering each of its chunks and the values U each writes."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    c0, n_chunks = seq_chunks(i_n, offsets, NT, IS_VARLEN)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                     mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)  # fmt: skip
+    for n in range(n_chunks):
+        c = (i_hv * NCH + c0 + n).to(tl.int64)  # chunk's index in the intermediates
+        r = (c * BT + rows)[:, None]
+        s_lo = S.to(h.dtype.element_ty)
+        tl.store(h + (c * BK + ck[:, None]) * BVP + cv[None, :], s_lo)
+        w_n = tl.load(w + r * BK + ck[None, :])
+        kd_n = tl.load(kd + r * BK + ck[None, :])
+        decay = tl.load(gl + c * BK + ck)
+        U = tl.load(u + r * BVP + cv[None, :]).to(tl.float32) - tl.dot(
+            w_n, s_lo.to(w_n.dtype), input_precision=PREC
+        )
+        u_lo = U.to(vn.dtype.element_ty)
+        tl.store(vn + r * BVP + cv[None, :], u_lo)
+        S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo.to(kd_n.dtype), input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["NT"])
+def _dstates_kernel(
+    qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0,  # dh: dS per chunk; dvn: dU per chunk (float32)
+    chunks, offsets,  # varlen only: the chunk table and first chunk of each sequence
+    T, HV, K, V, NT, NCH,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """The backward state pass of one sequence, its last chunk first, from that sequence's dht:
+    dU = Aqk^T dO + kd dS; dS <- qg^T dO + exp(gc_C) dS - w^T dU. What is left is that sequence's dh0."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    c0, n_chunks = seq_chunks(i_n, offsets, NT, IS_VARLEN)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    s_mask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_off = i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        dS += tl.load(dht + s_off, mask=s_mask, other=0.0)
+    do_hv = do + i_hv * V
+    for i in range(n_chunks):
+        i_c = c0 + n_chunks - 1 - i
+        t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+        n_t = (t_end - t0).to(tl.int32)
+        c = (i_hv * NCH + i_c).to(tl.int64)
+        r = (c * BT + rows)[:, None]
+        qg_n = tl.load(qg + r * BK + ck[None, :])
+        kd_n = tl.load(kd + r * BK + ck[None, :])
+        w_n = tl.load(w + r * BK + ck[None, :])
+        a_n = tl.load(aqk + r * BT + rows[None, :])
+        decay = tl.load(gl + c * BK + ck)
+        do_n = tl.load(do_hv + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
+                       mask=(rows[:, None] < n_t) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
+        ds_lo = dS.to(dh.dtype.element_ty)
+        tl.store(dh + (c * BK + ck[:, None]) * BVP + cv[None, :], ds_lo)
+        dU = tl.dot(tl.trans(a_n), do_n, input_precision=PREC) + tl.dot(
+            kd_n, ds_lo.to(kd_n.dtype), input_precision=PREC
+        )
+        tl.store(dvn + r * BVP + cv[None, :], dU)
+        dS = dS * decay[:, None] + tl.dot(tl.trans(qg_n), do_n, input_precision=PREC)
+        dS -= tl.dot(tl.trans(w_n), dU.to(w_n.dtype), input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0 + s_off, dS, mask=s_mask)
+
+
+@triton.jit(do_not_specialize=["NT"])
+def _local_v_kernel(
+    q, k, v, g, beta, do,  # inputs and dO
+    u, w, x, h, vn, dh, dvn,  # recomputed intermediates
+    dv, dq, dk, dgc, dgc_end, db_part, dA_part, dAqk,  # outputs (dq, dk, dgc partial; dA, dAqk for kernel 6)
+    chunks,  # varlen only: the chunk table
+    T, H, HV, K, V, NT, NCH, scale, part_stride, a_stride,  # strides of db_part / dA_part between key blocks
+    BT: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, IS_VARLEN: tl.constexpr, FIRST: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, value head, block of BK key channels): all sums over the value dimension, then the
+    element-wise gate terms. See the module doc. The key-side terms are per channel; dA and dbeta also sum
+    over the channels, so each key block writes its share (dA_part, db_part) and the launcher adds them. The
+    terms with no key channel in them (dv, dAqk and the value-side parts of dA and dbeta) are computed by the
+    first key block only.
+
+    The first key block is its own launch (FIRST = True, grid z = 1; the other blocks: FIRST = False, grid
+    z = K / BK - 1). A branch on the program id inside the value loop (`if i_k == 0`) compiled to wrong code
+    on the H200 with Triton 3.6 (dv, dA and dbeta wrong in bf16, dAqk in float32; right under the
+    interpreter); as a constexpr the branch is resolved when the kernel is compiled."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    if not FIRST:
+        i_k += 1
+    i_h = i_hv // (HV // H)
+    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)
+    rows = tl.arange(0, BT)
+    ck = i_k * BK + tl.arange(0, BK)
+    c = (i_hv * NCH + i_c).to(tl.int64)
+    r = (c * BT + rows)[:, None]  # row of the padded intermediates
+    hb = c * BKP  # first row of this chunk's state tiles (BKP = K padded)
+    v_off = t0 * HV * V + i_hv * V  # [B, T, HV, V] tensors: row t of the chunk at + t * HV * V
+    tv = rows[:, None] * HV * V
+    b_h = beta + t0 * HV + i_hv
+    beta_all = tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)
+    X = tl.load(x + r * BT + rows[None, :])
+
+    dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dM_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    dM_kk = tl.zeros([BT, BT], dtype=tl.float32)  # -dA, before masking
+    dgl = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        vm = cv[None, :] < V
+        tm = (rows[:, None] < n_t) & vm
+        s_ptr = (hb + ck[:, None]) * BVP + cv[None, :]
+        S0 = tl.load(h + s_ptr, mask=vm, other=0.0)
+        dS = tl.load(dh + s_ptr, mask=vm, other=0.0)
+        U = tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0)
+        dU = tl.load(dvn + r * BVP + cv[None, :], mask=vm, other=0.0)
+        do_c = tl.load(do + v_off + tv + cv[None, :], mask=tm, other=0.0)
+        do_c = do_c.to(S0.dtype)
+        dqg += tl.dot(do_c, tl.trans(S0), input_precision=PREC)
+        dkd += tl.dot(U, tl.trans(dS), input_precision=PREC)
+        dw -= tl.dot(dU.to(S0.dtype), tl.trans(S0), input_precision=PREC)
+        dgl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), axis=1)
+        if FIRST:  # the value-side terms, once per chunk
+            u_c = tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32)
+            v_c = tl.load(v + v_off + tv + cv[None, :], mask=tm, other=0.0)
+            dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
+            dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
+            dv_c = (beta_all[:, None] * dup).to(dv.dtype.element_ty)
+            tl.store(dv + v_off + tv + cv[None, :], dv_c, mask=tm)
+            db += tl.sum(dup * v_c.to(tl.float32), axis=1)
+            dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
+
+    # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
+    k_all = load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)
+    qs = load_rows(q + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32) * scale
+    g_h = g + t0 * HV * K + i_hv * K
+    g_c = base2_gates(load_rows(g_h, rows, HV * K, ck, K, n_t))
+    gc = tl.cumsum(g_c, axis=0)
+    gc_end = tl.sum(g_c, axis=0)
+    # gc_end - gc_i, the gates after row i, as a reverse cumsum of the next rows' gates: as a difference of
+    # two cumsums it would carry their rounding (~1e-4 of an exponent once a reset of -1000 is in both).
+    # (n_t counts to the sequence's end: row BT of the chunk is the next chunk's first.)
+    g_next = base2_gates(load_rows(g_h, rows + 1, HV * K, ck, K, n_t))
+    after = tl.cumsum(tl.where((rows < BT - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
+    w_c = tl.load(w + r * BKP + ck[None, :]).to(tl.float32)
+    dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
+    dM_kk += tl.dot(dwp, tl.trans(w_c), input_precision=PREC)
+    eg = tl.exp2(gc)
+    ed = tl.exp2(after)
+    kg = k_all * eg
+    db += tl.sum(dwp * kg, axis=1)
+    dkg = beta_all[:, None] * dwp
+    dgc_c = qs * eg * dqg + kg * dkg - k_all * ed * dkd
+    end = tl.sum(k_all * ed * dkd, axis=0) + tl.exp2(gc_end) * dgl
+
+    k_off = t0 * HV * K + i_hv * K  # [B, T, HV, K] gradients: row t of the chunk at + t * HV * K
+    kt = rows[:, None] * HV * K + ck[None, :]
+    km = (rows[:, None] < n_t) & (ck[None, :] < K)
+    tl.store(dq + k_off + kt, scale * eg * dqg, mask=km)
+    tl.store(dk + k_off + kt, eg * dkg + ed * dkd, mask=km)
+    tl.store(dgc + k_off + kt, dgc_c, mask=km)
+    tl.store(dgc_end + hb + ck, end)
+    tl.store(db_part + i_k * part_stride + t0 * HV + i_hv + rows * HV, db, mask=rows < n_t)
+    m_off = r * BT + rows[None, :]
+    tl.store(dA_part + i_k * a_stride + m_off, tl.where(rows[:, None] > rows[None, :], -dM_kk, 0.0))
+    if FIRST:
+        tl.store(dAqk + m_off, tl.where(rows[:, None] >= rows[None, :], dM_qk, 0.0))
+
+
+@triton.jit
+def _sum_shares(p, offs, stride, N: tl.constexpr):
+    """The sum of N float32 shares of one tile, `stride` elements apart (the key blocks' shares of dA)."""
+    x = tl.load(p + offs)
+    for i in tl.static_range(1, N):
+        x += tl.load(p + i * stride + offs)
+    return x
+
+
+@triton.jit(do_not_specialize=["NT"])
+def _local_k_kernel(
+    q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
+    dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)
+    dq_out, dk_out,  # the finished dq, dk: the inputs' dtype when HV == H (no cast left), else dq, dk again
+    dbeta_part,  # float32 [cdiv(K, BK), B * T * HV]: this key block's share of dbeta
+    chunks,  # varlen only: the chunk table
+    T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
+    Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
+    they are loaded (`_sum_shares`). Every term is per key channel except dbeta, a sum over them: each key
+    block writes its share, and the launcher adds the shares."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    NB: tl.constexpr = BT // BC
+    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)
+    rows = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    ck = i_k * BK + tl.arange(0, BK)
+    q_h = q + t0 * H * K + i_h * K
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    b_h = beta + t0 * HV + i_hv
+    c = (i_hv * NCH + i_c).to(tl.int64)
+
+    k_all = load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
+
+    acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
+    acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_dgc = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_db = tl.zeros([BT], dtype=tl.float32)
+    db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
+    # Every decay below is 2^(a sum of consecutive gates), taken as such a sum (never as the difference of two
+    # cumsums, which after a reset of -1000 would both be ~-1440 and carry ~1e-4 of an exponent in rounding).
+    # col_x: for the rows j before block a, the gates after j up to block a's start (built block by block).
+    col_x = tl.zeros([BT, BK], dtype=tl.float32)
+    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
+        ta = a * BC + rc
+        k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
+        bk_a = beta_a[:, None] * k_a
+        m_rows = (c * BT + a * BC + rc)[:, None] * BT
+        # Columns before the block, anchored at its start boundary (all zero for a = 0).
+        dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
+        dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
+        row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
+        before = (rows < a * BC)[:, None]
+        col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
+        k_col = k_all * col_f
+        da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
+        da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
+        db_all += col_f * (
+            tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
+            + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
+        )
+        dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
+        dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
+        da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
+        da_kk += da_d
+        da_qk += dq_d
+        acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
+        acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
+        acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
+        acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
+        # Rows before block a take its gate sum; block a's rows the gates after them within the block.
+        g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
+        after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
+        col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
+        col_x += _rows_of_block(after_a, a, NB, BC, BK)
+
+    k_off = t0 * HV * K + i_hv * K
+    kt = rows[:, None] * HV * K + ck[None, :]
+    km = (rows[:, None] < n_t) & (ck[None, :] < K)
+    dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
+    dq_new = tl.load(dq_p, mask=km, other=0.0) + acc_dq
+    dk_new = tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all
+    tl.store(dq_out + k_off + kt, dq_new.to(dq_out.dtype.element_ty), mask=km)
+    tl.store(dk_out + k_off + kt, dk_new.to(dk_out.dtype.element_ty), mask=km)
+    db_p = dbeta_part + i_k * part_stride + (t0 + rows) * HV + i_hv
+    tl.store(db_p, acc_db, mask=rows < n_t)
+    # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
+    # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
+    end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
+    d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
+    d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
+    dg = tl.cumsum(d, axis=0, reverse=True)
+    # A gate below GATE_FLOOR was raised to it (`base2_gates`): the output does not depend on it, dg = 0.
+    below = load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) < KERNEL_GATE_FLOOR
+    tl.store(dg_p, tl.where(below, 0.0, dg), mask=km)
+
+
+def chunk_kda_bwd(
+    q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
+    lk_stages=None, kept=None,
+):  # fmt: skip
+    """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
+
+    `kept`: the forward's intermediates (`chunk_kda_fwd`'s `keep` dict), used instead of running kernels
+    1-2 again. The dict is emptied, so that each buffer is freed here as soon as it is no longer needed.
+
+    `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
+    `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
+    (None: Triton's default). The defaults are the fastest of bench/kernels/tune_bwd.py's sweep on the H200
+    (bf16, (1, 8192, 32), K = V = 128; bench/results/h200_tune_bwd_fe86057.json, bench/NOTES.md): other
+    block sizes and warp counts were at least 2.9 % slower, and lk_stages changed nothing beyond 0.5 %.
+
+    With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT, BK, BVP = CHUNK, pow2(K), pow2(V)
+    varlen = cu_seqlens is not None
+    layout = chunk_layout(T, B, cu_seqlens, BT)
+    NT, NCH, chunks, offsets = layout
+    N = cu_seqlens.numel() - 1 if varlen else B
+    idt, prec = work_precision(q.dtype)
+    dev = q.device
+    rows = HV * NCH * BT
+    f32 = dict(device=dev, dtype=torch.float32)
+    lo = dict(device=dev, dtype=idt)
+
+    # Every token lies in exactly one chunk, so the kernels write every entry of the gradients.
+    new = torch.empty if NCH * HV * K * V > 0 else torch.zeros  # else nothing runs: all gradients zero
+    dv = new(v.shape, device=dev, dtype=v.dtype)
+    dq, dk, dg = (new(B, T, HV, K, **f32) for _ in range(3))
+    dbeta = new(B, T, HV, **f32)
+    dh0 = torch.empty(N, HV, K, V, **f32) if h0 is not None else None
+    if new is torch.zeros:
+        if dh0 is not None:  # no steps: the final state is h0
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
+
+    # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's).
+    if kept is None:
+        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True)[0]
+    w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
+
+    # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
+    bv = scan_value_block(N * HV, V, BVP)
+    stages = 1 if BK * w.element_size() > 512 else 2
+    h = torch.empty(HV * NCH, BK, BVP, **lo)
+    vn = torch.empty(rows, BVP, **lo)
+    _states_kernel[(triton.cdiv(V, bv), N * HV)](
+        w, u, kd, gl, h0, h, vn, offsets, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, PREC=prec, IS_VARLEN=varlen,
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    dh = torch.empty(HV * NCH, BK, BVP, **lo)
+    dvn = torch.empty(rows, BVP, **f32)
+    _dstates_kernel[(triton.cdiv(V, bv), N * HV)](
+        qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0, chunks, offsets, T, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec,
+        IS_VARLEN=varlen, num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    del qg, kd
+
+    # 5-6. Chunk-local gradients.
+    dgc_end = torch.empty(HV * NCH, BK, **f32)
+    dAqk = aqk  # Aqk is no longer needed after kernel 4: its buffer takes dAqk
+    kbv = min(BK, lv_block)  # key channels per program of _local_v_kernel
+    nkb = triton.cdiv(K, kbv)
+    dA_part = torch.empty(nkb, *x.shape, **f32)  # each key block's share of dA (X is still being read)
+    x_numel = x.numel()
+    db_part = torch.empty(nkb, B * T * HV, **f32)
+    for first, grid in ((True, (NCH, HV, 1)), (False, (NCH, HV, nkb - 1))):  # key block 0, then the rest
+        if grid[2] == 0:
+            continue
+        _local_v_kernel[grid](
+            q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, db_part, dA_part, dAqk,
+            chunks, T, H, HV, K, V, NT, NCH, scale, B * T * HV, x_numel,
+            BT=BT, BK=kbv, BKP=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, FIRST=first,
+            num_warps=lv_warps, **_local_v_stages(BK, w.element_size()),
+        )  # fmt: skip
+    del x  # dA stays as its nkb shares: _local_k_kernel adds them as it loads them
+    dbeta.copy_(db_part.sum(0).view(dbeta.shape))
+    del db_part
+    kb = min(BK, lk_block)  # key channels per program: [64, kb] tiles instead of [64, K] ones
+    dbeta_part = torch.zeros(triton.cdiv(K, kb), B * T * HV, **f32)
+    # With one value head per key head, local_k writes dq and dk in the inputs' dtype: no cast kernels after.
+    dq_out, dk_out = dq, dk
+    if HV == H and q.dtype != torch.float32:
+        dq_out, dk_out = (
+            torch.empty(q.shape, device=dev, dtype=q.dtype),
+            torch.empty(k.shape, device=dev, dtype=k.dtype),
+        )
+    _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
+        q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
+        chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
+        **({} if lk_stages is None else dict(num_stages=lk_stages)),
+    )  # fmt: skip
+    del dq, dk, dA_part
+    dbeta += dbeta_part.sum(0).view(dbeta.shape)
+    del dbeta_part  # the shares are gone before the casts
+    return _finish(q, k, g, beta, dq_out, dk_out, dv, dg, dbeta, dh0, H)
+
+
+def _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H):
+    """Sum dq, dk over the value heads that share a query/key head; cast to the inputs' dtypes."""
+    B, T, HV, K = dq.shape
+    if HV != H:  # a query/key head serves HV // H value heads: add their gradients
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+
+
+def _local_v_stages(BK: int, itemsize: int) -> dict:
+    """Pipeline depth of `_local_v_kernel`, from BK = K padded (not the program's key block). With float32
+    intermediates Triton's default (3 stages) asked for more shared memory than a Hopper SM has when a program
+    held all K key channels (311 kB at K = 128, V = 64 on the H200; limit 227 kB): two stages fit up to
+    K = 128 (164 kB), one beyond (197 kB at K = V = 256; sizes from compiling for sm_90). A program now holds
+    lv_block channels, which needs less, so the rule errs on the safe side. Offline sm_90 compile of the split
+    kernel (Triton 3.9, float32, first key block, blocks of 64): 112 kB at 2 stages (208 kB at 3) for
+    K = V = 128, and 112 kB at 2 stages for K = V = 256, where this rule takes 1 (80 kB)."""
+    if itemsize < 4:
+        return {}
+    return dict(num_stages=2 if BK <= 128 else 1)
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """`chunk_kda` with a Triton backward. The forward saves its inputs, and with `keep_intermediates` also
+    its chunk intermediates; otherwise the backward recomputes them.
+
+    The intermediates are not saved tensors but a dict on ctx that the first backward empties (each buffer is
+    freed as soon as that backward is done with it, and `aqk` becomes dAqk in place). A second backward
+    through the same graph (`retain_graph=True`) finds the dict empty and recomputes them."""
+
+    @staticmethod
+    def forward(
+        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_intermediates
+    ):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        ctx.kept = {} if keep_intermediates else None
+        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep=ctx.kept)
+        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+        ctx.scale = scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        do = do.contiguous()
+        dht = dht.contiguous() if dht is not None else None
+        kept, ctx.kept = (ctx.kept or None), None  # None: a second backward, recompute
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
+            q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, kept=kept
+        )
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None

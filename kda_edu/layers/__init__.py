@@ -1,0 +1,1 @@
+"""Layers (`torch.nn.Module`s) built on the operators and kernels: KDA, MLA, FFN, mixers."""

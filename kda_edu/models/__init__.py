@@ -1,0 +1,1 @@
+"""Whole models built from the layers, their checkpoints and their cost accounting."""

@@ -1,0 +1,1 @@
+"""Reference operators: the book's equations in plain PyTorch (attention to KDA)."""

@@ -1,0 +1,272 @@
+"""Kimi Delta Attention (KDA): reference implementations in plain PyTorch.
+
+KDA is the gated delta rule with one decay per key channel. Per value head, with state `S` of shape `[K, V]`:
+
+    S'_t = Diag(exp(g_t)) S_{t-1}
+    S_t  = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T
+    o_t  = S_t^T (scale q_t)
+
+Three forms of the same function:
+
+- `kda_recurrent`: the loop above, one step at a time (the ground truth).
+- `kda_chunked`: the chunkwise algorithm, the one the Triton kernels implement.
+- `kda_step`: one decoding step from a given state.
+
+Layout (as in fla): q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H (value head j reads
+query/key head `j // (HV // H)`); g `[B, T, HV, K]` in log space, <= 0; beta `[B, T, HV]` in [0, 1]; states
+`[B, HV, K, V]` in float32 (float64 for float64 inputs); outputs in the input dtype.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, clamp_gates, compute_dtype, resolve_scale
+from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops.recurrence import general_recurrence
+
+SUB_BLOCK = 16  # rows per sub-block inside a chunk, see _decayed_scores
+
+
+def kda_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA as a loop over time: the ground truth every other form is checked against.
+
+    For t = 1..T: `S = Diag(exp(g_t)) S`, then `S += beta_t k_t (v_t - S^T k_t)^T`, then
+    `o_t = S^T (scale q_t)`. The loop itself is `kda_edu.ops.recurrence.general_recurrence` with every part
+    switched on.
+
+    Args:
+        q: queries `[B, T, H, K]`, floating dtype.
+        k: keys `[B, T, H, K]`, same dtype as q (usually L2-normalised).
+        v: values `[B, T, HV, V]`, same dtype as q, HV a multiple of H.
+        g: log-space decay per key channel `[B, T, HV, K]`, any floating dtype, <= 0.
+        beta: write strength `[B, T, HV]`, any floating dtype, in [0, 1].
+        scale: query scale; `K ** -0.5` when None.
+        initial_state: optional `[B, HV, K, V]` in float32 (float64 for float64 inputs); zeros when None.
+        output_final_state: also return the state after step T.
+
+    Returns:
+        `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` in float32 (float64
+        for float64 inputs), or None when `output_final_state` is False. Computed in float32 (float64 for
+        float64 inputs).
+    """
+    K = check_kda_inputs(q, k, v, g, beta, initial_state)[4]
+    return general_recurrence(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        delta_rule=True,
+        scale=resolve_scale(scale, K),
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+    )
+
+
+def kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KDA decoding step: the body of the `kda_recurrent` loop, applied to a given state.
+
+    Args:
+        q, k: `[B, 1, H, K]`.
+        v: `[B, 1, HV, V]`.
+        g: `[B, 1, HV, K]`, <= 0.
+        beta: `[B, 1, HV]`, in [0, 1].
+        state: `[B, HV, K, V]` in float32 (float64 for float64 inputs); not modified.
+        scale: query scale; `K ** -0.5` when None.
+
+    Returns:
+        `(o, new_state)`: o `[B, 1, HV, V]` in q's dtype, new_state `[B, HV, K, V]` in state's dtype.
+    """
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"state must be a torch.Tensor of shape [B, HV, K, V], got {type(state).__name__}")
+    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, state, state_name="state")
+    if T != 1:
+        raise ValueError(f"q, k, v, g and beta must have T = 1 for one decoding step, got T = {T}")
+    return general_recurrence(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        delta_rule=True,
+        scale=resolve_scale(scale, K),
+        initial_state=state,
+        output_final_state=True,
+    )
+
+
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA computed chunk by chunk: matrix products inside a chunk, the recurrence only between chunks.
+
+    Split time into chunks of C = `chunk_size` steps (the last one zero-padded: a padded step has k = v = 0,
+    g = 0 and beta = 0, so it leaves the state alone). Inside a chunk, with local positions i, j = 1..C and
+    `gc_i = g_1 + ... + g_i` the cumulative log decay from the chunk start (per key channel), the state
+    entering the chunk `S_0` and the state after step i is
+
+        S_i = Diag(exp(gc_i)) S_0 + sum_{j <= i} Diag(exp(gc_i - gc_j)) k_j u_j^T
+
+    where `u_j = beta_j (v_j - S'_j^T k_j)` is the value actually written at step j. Substituting S'_j turns
+    the C definitions of u into one unit lower-triangular system (the UT transform):
+
+        (I + A) U = Diag(beta) (V - (K * exp(gc)) S_0),
+        A_ij = beta_i sum_c k_ic k_jc exp(gc_ic - gc_jc) for j < i, else 0
+
+    so `U = u - w S_0` with `u = (I + A)^-1 Diag(beta) V` and `w = (I + A)^-1 Diag(beta) (K * exp(gc))`, both
+    independent of S_0 (one triangular solve each; a kernel computes them for all chunks in parallel). Only
+    the state passing depends on the previous chunk:
+
+        U       = u - w S_0
+        O       = (scale Q * exp(gc)) S_0 + Aqk U
+        S_C     = Diag(exp(gc_C)) S_0 + (K * exp(gc_C - gc))^T U
+
+    with `Aqk_ij = scale sum_c q_ic k_jc exp(gc_ic - gc_jc)` for j <= i, else 0.
+
+    Overflow: every exponent evaluated is <= 0, so every `exp` lies in [0, 1] whatever the gates, down to a
+    -1000 reset. gc is non-increasing, so the inter-chunk factors `exp(gc_i)` and `exp(gc_C - gc_i)` are
+    <= 1. The within-chunk decays `exp(gc_i - gc_j)`, j <= i, are never factorised as `exp(gc_i) *
+    exp(-gc_j)` (with gates at -5 and C = 64 the second factor is exp(320), far beyond float32's largest,
+    about exp(88.7)); `_decayed_scores` either takes the difference first or splits it at an anchor that
+    lies between i and j, so both factors are <= 1. Entries with j > i are set to -inf before `exp`, so
+    they become exact zeros with zero gradient instead of `inf * 0 = NaN`. Decays that underflow to 0 are
+    correct: the true value is below the dtype's smallest number.
+
+    Resets and rounding: each step's gate is first raised to `kda_edu.ops._checks.GATE_FLOOR` (-105 for float32,
+    whose exp is already exactly 0), so a reset of -1000 or -inf decays exactly as before but gc stays finite
+    (-inf - (-inf) would be NaN). gc is summed and differenced in float64 and only the decays, numbers in
+    [0, 1], are rounded to the compute dtype: a float32 sum that reaches ~1000 after a few resets carries a
+    rounding of ~1e-4, which the decays between the steps after the reset would inherit.
+
+    Non-finite q, k, v: a NaN or inf in the key or value of step t makes the outputs from t on NaN (and the
+    state after t's chunk, so every later output too), as the loop does; the outputs before t are exactly
+    those of the clean prefix. That step runs as a zero step and its outputs are set to NaN afterwards, since
+    the zeros of the causal masks would carry a NaN backwards (0 * NaN = NaN). A non-finite query spoils its
+    own output only. Non-finite g or beta are rejected by the input check.
+
+    Args:
+        q: queries `[B, T, H, K]`, floating dtype; any T >= 1.
+        k: keys `[B, T, H, K]`, same dtype as q (usually L2-normalised).
+        v: values `[B, T, HV, V]`, same dtype as q, HV a multiple of H.
+        g: log-space decay per key channel `[B, T, HV, K]`, any floating dtype, <= 0.
+        beta: write strength `[B, T, HV]`, any floating dtype, in [0, 1].
+        scale: query scale; `K ** -0.5` when None.
+        initial_state: optional `[B, HV, K, V]` in float32 (float64 for float64 inputs); zeros when None.
+        output_final_state: also return the state after step T.
+        chunk_size: C, the number of steps per chunk.
+
+    Returns:
+        `(o, final_state)` exactly as `kda_recurrent` (up to rounding): o `[B, T, HV, V]` in q's dtype;
+        final_state `[B, HV, K, V]` in float32 (float64 for float64 inputs) or None.
+    """
+    B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
+    scale = resolve_scale(scale, K)
+    C = check_chunk_size(chunk_size)
+    dtype = compute_dtype(q.dtype)
+
+    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
+    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
+    v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C, K], [.., C]
+    g = clamp_gates(g).double()  # resets (down to -inf) at GATE_FLOOR; exponents in float64 (docstring)
+    # A step with a non-finite key or value runs as a zero step; the outputs from it on are set to NaN
+    # afterwards, and so is the state after its chunk. Multiplying by the zeros of the causal masks would
+    # instead spread its NaN to the earlier steps of the chunk (0 * NaN = NaN).
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v_c).all(-1))  # [B, HV, NC, C]
+    k, v_c = (torch.where(bad[..., None], 0.0, x) for x in (k, v_c))
+    spoilt = bad.cumsum(dim=-1) > 0  # from the first bad step of the chunk on
+    i = torch.arange(C, device=q.device)
+    eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
+
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
+    o = []
+    for n in range(q.shape[2]):  # the NC chunks, in order
+        q_n, k_n, v_n, beta_n = q[:, :, n], k[:, :, n], v_c[:, :, n], beta[:, :, n, :, None]  # [B, HV, C, .]
+        gc = g[:, :, n].cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]; float64
+        decay_in, decay_out = gc.exp().to(dtype), (gc[..., -1:, :] - gc).exp().to(dtype)  # from start, to end
+
+        # Independent of S (a kernel does this for all chunks in parallel): the decayed scores, the UT
+        # transform (I + A)^-1 Diag(beta) as a triangular solve, and from it u and w.
+        Akk, Aqk = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc)  # x = k for A, x = q for Aqk
+        L = eye + beta_n * Akk.masked_fill(not_below, 0)  # I + A, A strictly lower triangular
+        u = torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(L, beta_n * k_n * decay_in, upper=False, unitriangular=True)
+
+        # Sequential: the values written given the incoming state, the outputs, the outgoing state.
+        U = u - w @ S  # [B, HV, C, V]
+        o_n = (q_n * decay_in) @ S + Aqk @ U
+        o.append(torch.where(spoilt[:, :, n, :, None], math.nan, o_n))
+        S = decay_in[..., -1, :, None] * S + (k_n * decay_out).transpose(-1, -2) @ U
+        S = torch.where(spoilt[:, :, n, -1, None, None], math.nan, S)
+    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+
+
+def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
+    """`P_ij = sum_c x_ic k_jc exp(gc_ic - gc_jc)` for j <= i, and 0 for j > i, in every chunk.
+
+    Args:
+        x: `[..., C, K]`, broadcast against k (a stack of several x shares the work on k).
+        k, gc: `[..., C, K]`; gc non-increasing along C.
+
+    Returns:
+        `[..., C, C]`.
+
+    Taking every difference `gc_i - gc_j` would cost a `[C, C, K]` tensor per chunk. Instead the C rows are
+    split into sub-blocks of b = gcd(C, 16). For row i in sub-block I and a column j in an earlier sub-block,
+    the anchor `a_I` (gc just before sub-block I; 0 for the first) lies between them, `gc_i <= a_I <= gc_j`,
+    so `exp(gc_i - gc_j) = exp(gc_i - a_I) * exp(a_I - gc_j)` is a product of two factors <= 1 and those
+    columns become one matrix product per sub-block. Only the columns inside sub-block I use the pairwise
+    differences, `[b, b, K]` per sub-block. Every exponent is <= 0; the columns a factorisation must not
+    reach (j > i, or j not before sub-block I) are set to -inf before `exp`.
+    """
+    C = k.shape[-2]
+    b = math.gcd(C, SUB_BLOCK)
+    nb = C // b
+    pos = torch.arange(C, device=k.device)
+    anchor = F.pad(gc[..., b - 1 :: b, :], (0, 0, 1, 0))[..., :nb, :]  # [..., nb, K]: gc before sub-block I
+
+    # Columns before the row's sub-block: exp(gc_i - a_I) on the rows, exp(a_I - gc_j) on the columns.
+    x_rows = x.unflatten(-2, (nb, b)) * (gc.unflatten(-2, (nb, b)) - anchor[..., None, :]).exp().to(x.dtype)
+    earlier = pos < pos[::b, None]  # [nb, C]: column j lies before sub-block I
+    to_anchor = anchor[..., :, None, :] - gc[..., None, :, :]  # [..., nb, C, K]
+    to_anchor = to_anchor.masked_fill(~earlier[..., None], float("-inf"))
+    k_cols = k[..., None, :, :] * to_anchor.exp().to(k.dtype)  # [..., nb, C, K]
+    scores = x_rows @ k_cols.transpose(-1, -2)  # [..., nb, b, C], zero from column I * b on
+
+    # Columns inside the row's sub-block: pairwise differences.
+    xb, kb, gb = (t.unflatten(-2, (nb, b)) for t in (x, k, gc))
+    causal = pos[:b, None] >= pos[:b]  # [b, b]: j <= i
+    decay = (gb[..., :, None, :] - gb[..., None, :, :]).masked_fill(~causal[..., None], float("-inf"))
+    decay = decay.exp().to(k.dtype)
+    k_decayed = kb[..., None, :, :] * decay  # [..., nb, b, b, K]: key j decayed to row i
+    within = (k_decayed @ xb[..., :, :, None]).squeeze(-1)  # [..., nb, b, b]: sum over c of x_ic * that
+    # Place sub-block I's own scores at column block I.
+    diagonal = torch.eye(nb, dtype=within.dtype, device=k.device)
+    scores = scores.unflatten(-1, (nb, b)) + torch.einsum("...Iij,IJ->...IiJj", within, diagonal)
+    return scores.flatten(-2).flatten(-3, -2)

@@ -1,0 +1,75 @@
+"""The one recurrence behind every linear-attention model in the book.
+
+Kimi Delta Attention keeps a state `S` of shape `[K, V]` per value head and, at every step t,
+
+    S'_t = Diag(exp(g_t)) S_{t-1}                decay: key channel c keeps exp(g_t[c]) of its row
+    u_t  = beta_t (v_t - S'_t^T k_t)             delta rule: write only what S'_t mispredicts for k_t
+    S_t  = S'_t + k_t u_t^T                      write
+    o_t  = S_t^T (scale q_t)                     read
+
+The earlier chapters are this loop with some parts switched off:
+
+    model             g (log decay)           beta     delta_rule
+    linear attention  0                       1        False (write v_t, erase nothing)
+    DeltaNet          0                       beta_t   True
+    Gated DeltaNet    one value per head      beta_t   True
+    KDA               one value per channel   beta_t   True
+
+Linear attention is the one model that is not KDA with special inputs: it writes `v_t` without first
+erasing the prediction `S^T k_t`, so the loop has a single switch, `delta_rule`.
+"""
+
+import torch
+
+from kda_edu.ops._checks import compute_dtype
+
+
+def general_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    delta_rule: bool,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the KDA-family recurrence above with a plain loop over time.
+
+    The public functions of each chapter validate their inputs and call this; it does not check them again.
+
+    Args:
+        q: queries `[B, T, H, K]`.
+        k: keys `[B, T, H, K]`.
+        v: values `[B, T, HV, V]`, HV a multiple of H; value head j reads query/key head `j // (HV // H)`.
+        g: log-space decay `[B, T, HV, K]`, or `[B, T, HV, 1]` for one decay per head, values <= 0.
+        beta: write strength `[B, T, HV]`.
+        delta_rule: erase the prediction `S'^T k_t` before writing (True for all but linear attention).
+        scale: query scale.
+        initial_state: optional `[B, HV, K, V]`; zeros when None.
+        output_final_state: return the state after the last step.
+
+    Returns:
+        `(o, final_state)`: o `[B, T, HV, V]` in v's dtype; final_state `[B, HV, K, V]` in float32 (float64
+        for float64 inputs), or None when `output_final_state` is False.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dtype = compute_dtype(q.dtype)
+    q = q.to(dtype).repeat_interleave(HV // H, dim=2) * scale
+    k = k.to(dtype).repeat_interleave(HV // H, dim=2)
+    v_in, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
+    o = []
+    for t in range(T):
+        q_t, k_t, v_t = q[:, t], k[:, t], v_in[:, t]  # [B, HV, K], [B, HV, K], [B, HV, V]
+        S = g[:, t, :, :, None].exp() * S
+        if delta_rule:
+            v_t = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)
+        u_t = beta[:, t, :, None] * v_t
+        S = S + k_t[..., :, None] * u_t[..., None, :]
+        o.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
+    return torch.stack(o, dim=1).to(v.dtype), (S if output_final_state else None)

@@ -1,0 +1,1 @@
+"""Training: the synthetic tasks and the training loop."""

@@ -1,0 +1,379 @@
+"""A small, deterministic, resumable training loop for the memory tasks of chapter 12.
+
+`train(task, model_config, train_config)` builds a `RecallLM`, trains it with AdamW on fresh batches of the
+task, and evaluates token accuracy on held-out sequences every `eval_every` steps. The recipe:
+
+- AdamW (betas 0.9 / 0.95); weight decay on matrices only (not on norms, biases, gate parameters);
+- learning rate: linear warm-up from 0 to `lr` over `warmup` steps, then a cosine decay to `min_lr_ratio * lr`
+  at the last step (`lr_at`);
+- the gradient's global norm clipped to `grad_clip`;
+- loss: cross entropy on the scored positions of the task (`TaskBatch.mask`) only.
+
+On a CUDA device `cuda_graph=True` records one whole training step (forward, backward, clipping, AdamW) as a
+CUDA graph after three ordinary steps, and replays it for every later step. The small models of chapter 12
+launch a few hundred short kernels a step; launching them one by one from Python costs more time than running
+them, and a replayed graph launches them all at once. The steps compute the same operations on the same
+data; AdamW then keeps its step count and learning rate on the GPU (`capturable=True`), which rounds a little
+differently from the default AdamW, so a graphed run and an ordinary one agree closely but not bit for bit.
+
+Determinism: the model is initialised from `torch.manual_seed(seed)` (inside `torch.random.fork_rng`, so the
+caller's random state is left alone); the training batch of step s is `task.sample(batch_size,
+data_seed(seed, s))` and the evaluation set is one sample with another seed, so the data depend only on the
+seed and the step. Nothing else draws random numbers, so the same configuration gives the same numbers on the
+same machine, and a run resumed from a checkpoint continues exactly as the uninterrupted run would have.
+
+A checkpoint is one safetensors file: the model's tensors (`model.*`), AdamW's moments and step counts
+(`optim.*`), and as JSON metadata the task, both configs, the step reached and the history so far.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from kda_edu.layers.mixers import DELTA_RULE_KINDS, RecallConfig, RecallLM
+from kda_edu.training.tasks import TaskBatch, task_to_dict
+
+FORMAT = "kda_edu.training.train"
+
+
+@dataclass
+class TrainConfig:
+    """How to train.
+
+    Attributes:
+        steps: optimiser steps in all.
+        batch_size: sequences per step.
+        lr: peak learning rate.
+        warmup: steps of linear warm-up.
+        min_lr_ratio: the learning rate at the last step, as a fraction of `lr`.
+        weight_decay: AdamW's decoupled weight decay, applied to matrices only.
+        grad_clip: largest global gradient norm.
+        eval_every: evaluate (and record the history) every this many steps, and at the last step.
+        eval_size: number of held-out sequences.
+        seed: the seed of the initialisation and of the data.
+        cuda_graph: replay each training step as one CUDA graph (CUDA devices only; see the module doc).
+    """
+
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_size: int = 256
+    seed: int = 0
+    cuda_graph: bool = False
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "eval_size"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.warmup < 0 or self.seed < 0:
+            raise ValueError(f"TrainConfig.warmup and seed must be >= 0, got {self.warmup}, {self.seed}")
+        if not (self.lr > 0 and 0 <= self.min_lr_ratio <= 1 and self.grad_clip > 0):
+            raise ValueError(
+                f"TrainConfig needs lr > 0, 0 <= min_lr_ratio <= 1, grad_clip > 0, got {self.lr}, "
+                f"{self.min_lr_ratio}, {self.grad_clip}"
+            )
+
+
+@dataclass
+class TrainResult:
+    """What a run produced.
+
+    Attributes:
+        model: the trained `RecallLM`.
+        history: one dict per evaluation: `step`, `lr`, `train_loss` (mean over the steps since the last
+            evaluation), `eval_loss`, `eval_acc` (token accuracy on the scored positions of the held-out set).
+        seconds: wall time of the steps run in this call (not counting a resumed run's earlier part).
+    """
+
+    model: RecallLM
+    history: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def final_accuracy(self) -> float:
+        """Held-out token accuracy at the last evaluation."""
+        return self.history[-1]["eval_acc"]
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """The learning rate of step `step` (0-based): linear warm-up to `lr` over `warmup` steps, then a cosine
+    from `lr` down to `min_lr_ratio * lr` at step `steps - 1`."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    span = max(config.steps - 1 - config.warmup, 1)
+    progress = min((step - config.warmup) / span, 1.0)
+    floor = config.min_lr_ratio * config.lr
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def data_seed(seed: int, step: int) -> int:
+    """The seed of the training batch of `step`; step -1 is the held-out evaluation set."""
+    return (seed + 1) * 1_000_003 + step + 1
+
+
+def masked_loss_and_accuracy(logits: torch.Tensor, batch: TaskBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross entropy (mean) and token accuracy over the scored positions only.
+
+    Args:
+        logits: `[n, T, vocab]`.
+        batch: the `TaskBatch` the logits were computed from.
+
+    Returns:
+        `(loss, accuracy)`, two scalar tensors; the loss carries the gradient.
+    """
+    # Weighted by the mask rather than indexed with it: indexing would make the CPU wait for the GPU to count
+    # the scored positions, which a CUDA graph cannot hold.
+    weight = batch.mask.float()
+    count = weight.sum()
+    ce = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none")
+    hits = (logits.argmax(dim=-1) == batch.targets).float()
+    return (ce.view_as(weight) * weight).sum() / count, (hits * weight).sum() / count
+
+
+@torch.no_grad()
+def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = 64) -> tuple[float, float]:
+    """`(loss, token accuracy)` of `model` on `batch`, over the scored positions, in slices of `batch_size`."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, count = 0.0, 0.0, 0
+    for i in range(0, batch.inputs.shape[0], batch_size):
+        part = TaskBatch(*(t[i : i + batch_size] for t in (batch.inputs, batch.targets, batch.mask)))
+        loss, acc = masked_loss_and_accuracy(model(part.inputs), part)
+        n = int(part.mask.sum())
+        total_loss, correct, count = total_loss + loss.item() * n, correct + acc.item() * n, count + n
+    model.train(was_training)
+    return total_loss / count, correct / count
+
+
+def build_model(model_config: RecallConfig, seed: int) -> RecallLM:
+    """A `RecallLM` initialised from `torch.manual_seed(seed)`, without touching the caller's random state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return RecallLM(model_config)
+
+
+# The decay's parameters: not weights but the gates' rates and step sizes. KDA's dt_bias is [H, K], a matrix
+# by shape, and weight decay would pull it (and so the decay it sets) towards zero; Gated DeltaNet's is [H].
+GATE_PARAMETERS = ("A_log", "dt_bias")
+
+
+def make_optimizer(model: RecallLM, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on the weight matrices, the embedding and the convolution kernels only: not on
+    norm weights, biases or the gates' `GATE_PARAMETERS`, whatever their shape."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and n.rsplit(".", 1)[-1] not in GATE_PARAMETERS]
+    no_decay = [p for n, p in named if p.dim() < 2 or n.rsplit(".", 1)[-1] in GATE_PARAMETERS]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if config.cuda_graph:  # the learning rate is a tensor that the graph reads, and is refilled every step
+        lr = torch.tensor(config.lr, device=decay[0].device)
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), capturable=True)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def train_step(model: RecallLM, optimizer: torch.optim.Optimizer, batch: TaskBatch, grad_clip: float):
+    """One optimiser step on `batch`: loss, backward, gradient clipping, AdamW. Returns the (detached) loss."""
+    loss, _ = masked_loss_and_accuracy(model(batch.inputs), batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
+GRAPH_WARMUP_STEPS = 3  # ordinary steps before the capture: they create AdamW's state and compile the kernels
+
+
+class _GraphedStep:
+    """`train_step` recorded once as a CUDA graph on fixed input buffers, then replayed with each new batch.
+
+    Capturing records the kernels without running them; every call copies its batch into the buffers and
+    replays the whole step. The parameters, gradients and AdamW state are the same tensors throughout, so
+    evaluations and checkpoints between replays see the current model."""
+
+    def __init__(self, model, optimizer, batch: TaskBatch, grad_clip: float):
+        self.batch = TaskBatch(batch.inputs.clone(), batch.targets.clone(), batch.mask.clone())
+        optimizer.zero_grad(set_to_none=True)  # the captured backward writes fresh gradients
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = train_step(model, optimizer, self.batch, grad_clip)
+
+    def __call__(self, batch: TaskBatch) -> torch.Tensor:
+        for buffer, new in zip(
+            (self.batch.inputs, self.batch.targets, self.batch.mask),
+            (batch.inputs, batch.targets, batch.mask),
+            strict=True,
+        ):
+            if buffer.shape != new.shape:
+                raise ValueError(
+                    f"a CUDA-graphed step needs batches of one shape {tuple(buffer.shape)}, got {tuple(new.shape)}"
+                )
+            buffer.copy_(new, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()  # the next replay overwrites self.loss
+
+
+def train(
+    task,
+    model_config: RecallConfig,
+    config: TrainConfig,
+    *,
+    device: str | torch.device = "cpu",
+    checkpoint: str | os.PathLike | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train a `RecallLM` on `task`.
+
+    Args:
+        task: an `MQAR`, `Palindrome` or `Stack` (anything with `vocab_size` and `sample(n, seed)`).
+        model_config: the model; its `vocab_size` must be at least the task's.
+        config: a `TrainConfig`.
+        device: where to train.
+        checkpoint: a `.safetensors` path; when given, the run is saved there after every evaluation.
+        resume: continue from `checkpoint` (which must exist and hold the same task and configs).
+        stop_after: stop once this many steps are done in all (to split a run in parts); None runs all.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        A `TrainResult`.
+    """
+    if model_config.vocab_size < task.vocab_size:
+        raise ValueError(f"model vocab_size {model_config.vocab_size} < task vocab_size {task.vocab_size}")
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs a checkpoint path")
+    if config.cuda_graph and torch.device(device).type != "cuda":
+        raise ValueError(f"TrainConfig.cuda_graph=True needs a CUDA device, got device={device!r}")
+    mixer = model_config.mixer
+    if config.cuda_graph and mixer.backend == "torch" and mixer.kind in DELTA_RULE_KINDS:
+        raise ValueError(
+            f"TrainConfig.cuda_graph=True cannot record the {mixer.kind!r} mixer with backend='torch': its PyTorch "
+            "form checks the gate and beta values, which makes the CPU wait for the GPU inside the step; use "
+            "MixerConfig(backend='triton')"
+        )
+    model = build_model(model_config, config.seed).to(device)
+    optimizer = make_optimizer(model, config)
+    start, history = 0, []
+    if resume:
+        start, history = load_training_checkpoint(checkpoint, model, optimizer, task, model_config, config)
+    eval_set = task.sample(config.eval_size, data_seed(config.seed, -1)).to(device)
+    end = config.steps if stop_after is None else min(stop_after, config.steps)
+
+    model.train()
+    # Training losses are kept on the device until an evaluation reads them: a `.item()` every step would make
+    # the CPU wait for the GPU each step instead of sampling the next batch while the GPU works.
+    losses, t0 = [], time.perf_counter()
+    graph, side = None, torch.cuda.Stream(device) if config.cuda_graph else None
+    bar = tqdm(range(start, end), total=end, initial=start, disable=not progress, leave=False, ncols=90)
+    for step in bar:
+        lr = lr_at(step, config)
+        for group in optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # the graph reads this tensor
+            else:
+                group["lr"] = lr
+        batch = task.sample(config.batch_size, data_seed(config.seed, step)).to(device)
+        if config.cuda_graph and graph is None and step - start >= GRAPH_WARMUP_STEPS:
+            graph = _GraphedStep(model, optimizer, batch, config.grad_clip)
+        if graph is not None:
+            loss = graph(batch)
+        elif side is not None:  # the ordinary steps before a capture run on a side stream, as CUDA graphs ask
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                loss = train_step(model, optimizer, batch, config.grad_clip)
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            loss = train_step(model, optimizer, batch, config.grad_clip)
+        losses.append(loss)
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            eval_loss, eval_acc = evaluate(model, eval_set)
+            history.append(
+                {
+                    "step": step + 1,
+                    "lr": lr,
+                    "train_loss": sum(torch.stack(losses).tolist()) / len(losses),
+                    "eval_loss": eval_loss,
+                    "eval_acc": eval_acc,
+                }
+            )
+            losses = []
+            bar.set_postfix(loss=f"{eval_loss:.3f}", acc=f"{eval_acc:.3f}")
+            if checkpoint is not None:
+                save_training_checkpoint(
+                    checkpoint, model, optimizer, task, model_config, config, step + 1, history
+                )
+    bar.close()
+    return TrainResult(model, history, time.perf_counter() - t0)
+
+
+def _metadata(task, model_config: RecallConfig, config: TrainConfig) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "task": json.dumps(task_to_dict(task)),
+        "model_config": json.dumps(model_config.to_dict()),
+        "train_config": json.dumps(asdict(config)),
+    }
+
+
+def save_training_checkpoint(path, model, optimizer, task, model_config, config, step, history) -> None:
+    """Write the model, AdamW's state, the configs, the step reached and the history to one safetensors file."""
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    for i, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            tensors[f"optim.{i}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    metadata = {**_metadata(task, model_config, config), "step": str(step), "history": json.dumps(history)}
+    tmp = Path(path).with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)  # a crash mid-write never leaves a broken checkpoint behind
+
+
+def load_training_checkpoint(path, model, optimizer, task, model_config, config) -> tuple[int, list[dict]]:
+    """Load a checkpoint written by `save_training_checkpoint` into `model` and `optimizer` (in place).
+
+    Returns:
+        `(step, history)`: the number of steps the checkpoint had done, and its history.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: the checkpoint is not a training checkpoint, or was written for another task or config.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {path}")
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a kda_edu training checkpoint (format {metadata.get('format')!r})")
+    expected = _metadata(task, model_config, config)
+    for key in ("task", "model_config", "train_config"):
+        if json.loads(metadata[key]) != json.loads(expected[key]):
+            raise ValueError(
+                f"{path} was written for another {key}: {metadata[key]} (expected {expected[key]})"
+            )
+    device = next(model.parameters()).device
+    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    state = optimizer.state_dict()
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, i, key = name.split(".")
+            state["state"].setdefault(int(i), {})[key] = value.to(device) if key != "step" else value
+    optimizer.load_state_dict(state)
+    return int(metadata["step"]), json.loads(metadata["history"])

@@ -1,0 +1,161 @@
+"""The warm-up kernels of chapter 7 against PyTorch (through the interpreter on a CPU)."""
+
+import pytest
+import torch
+
+from kda_edu.chapters import ch07_primer as primer
+from kda_edu.kernels import interpreting
+from kda_edu.ops.linear_attention import linear_attention_parallel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("n, block", [(1, 16), (1000, 256), (4096, 1024)])
+def test_vector_add(n, block):
+    x, y = randn(n, seed=1), randn(n, seed=2)
+    assert torch.equal(primer.vector_add(x, y, block), x + y)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (7, 100), (3, 128)])
+def test_row_softmax(rows, cols):
+    x = 30 * randn(rows, cols)  # large logits: the max subtraction matters
+    torch.testing.assert_close(primer.row_softmax(x), x.softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 16), (100, 16), (128, 64)])
+def test_chunk_cumsum(T, chunk):
+    g = -randn(2, T, 3, 20).abs()
+    ref = primer.chunk_cumsum_reference(g, chunk)
+    torch.testing.assert_close(primer.chunk_cumsum(g, chunk), ref, atol=1e-5, rtol=1e-5)
+    if T % chunk == 0:  # the last step of each chunk holds the chunk's total
+        torch.testing.assert_close(ref[:, chunk - 1 :: chunk], g.unflatten(1, (-1, chunk)).sum(2))
+
+
+def test_chunk_cumsum_restarts_at_every_chunk():
+    g = -torch.ones(1, 48, 1, 1, device=DEVICE)
+    gc = primer.chunk_cumsum(g, 16).flatten()
+    assert torch.equal(gc, -(torch.arange(48, device=DEVICE) % 16 + 1).float())
+
+
+PRECISIONS = ["tf32", "tf32x3", "ieee"]
+
+
+def error_ratio(out, exact, size):
+    """max |out - exact| / size, elementwise: the quantity `primer.dot_error_bound` bounds."""
+    return ((out.double() - exact).abs() / size).max().item()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("Z, M, K, N", [(1, 16, 16, 16), (3, 40, 50, 24)])
+def test_batched_matmul_fp32(Z, M, K, N, precision):
+    a, b = randn(Z, M, K, seed=3), randn(Z, K, N, seed=4)
+    exact, size = a.double() @ b.double(), a.double().abs() @ b.double().abs()
+    out = primer.batched_matmul(a, b, input_precision=precision)
+    assert error_ratio(out, exact, size) <= primer.dot_error_bound(precision, depth=K)
+
+
+def test_tf32_is_the_gpu_default_and_the_interpreter_ignores_it():
+    a, b = randn(2, 64, 64, seed=8), randn(2, 64, 64, seed=9)
+    exact, size = a.double() @ b.double(), a.double().abs() @ b.double().abs()
+    default = primer.batched_matmul(a, b)  # no input_precision: Triton's own default
+    tf32 = primer.batched_matmul(a, b, input_precision="tf32")
+    ieee = primer.batched_matmul(a, b, input_precision="ieee")
+    float32_bound = primer.dot_error_bound("ieee", depth=64)
+    assert error_ratio(ieee, exact, size) <= float32_bound
+    if interpreting():  # numpy's float32 matmul whatever the precision says
+        assert error_ratio(default, exact, size) <= float32_bound
+    else:  # TF32 operands: errors no float32 product could make, within the TF32 bound
+        assert float32_bound < error_ratio(default, exact, size) <= primer.dot_error_bound("tf32", depth=64)
+        assert error_ratio(tf32, exact, size) > float32_bound
+
+
+def test_dot_error_bound_follows_the_mantissa():
+    assert primer.dot_error_bound("tf32", depth=0) == 2 * 2.0**-10
+    assert primer.dot_error_bound("ieee", depth=100) == 200 * 2.0**-24
+    assert (
+        primer.dot_error_bound("ieee", 10)
+        < primer.dot_error_bound("tf32x3", 10)
+        < primer.dot_error_bound("tf32", 10)
+    )
+    with pytest.raises(ValueError, match="precision"):
+        primer.dot_error_bound("fp32", 10)
+    with pytest.raises(ValueError, match="input_precision"):
+        primer.batched_matmul(randn(1, 16, 16), randn(1, 16, 16), input_precision="highest")
+
+
+def test_batched_matmul_bf16_upcasts_when_interpreting():
+    a, b = randn(2, 32, 48, dtype=torch.bfloat16), randn(2, 48, 32, seed=1, dtype=torch.bfloat16)
+    ref = a.float() @ b.float()
+    out = primer.batched_matmul(a, b)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    if interpreting():
+        # The interpreter's bf16 tl.dot is the reason for the cast: without it the result is garbage.
+        bad = primer.batched_matmul(a, b, upcast=False).float()
+        assert not ((bad - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_batched_matmul_refuses_small_blocks():
+    a = randn(1, 16, 16)
+    with pytest.raises(ValueError, match=">= 16"):
+        primer.batched_matmul(a, a, block=(8, 16, 16))
+    with pytest.raises(ValueError, match=r"\[Z, M, K\]"):
+        primer.batched_matmul(a, a[0])
+
+
+@pytest.mark.parametrize(
+    "B, T, H, K, V, chunk", [(1, 1, 1, 16, 16, 16), (2, 70, 2, 20, 24, 16), (1, 64, 1, 32, 32, 32)]
+)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_chunked_linear_attention(B, T, H, K, V, chunk, precision):
+    q, k, v = randn(B, T, H, K, seed=5), randn(B, T, H, K, seed=6), randn(B, T, H, V, seed=7)
+    exact = linear_attention_parallel(q.double(), k.double(), v.double())
+    # scale * sum_{s <= t} |q_t| . |k_s| |v_s|: the size the error is measured against
+    size = linear_attention_parallel(q.double().abs(), k.double().abs(), v.double().abs())
+    out = primer.chunked_linear_attention(q, k, v, chunk=chunk, input_precision=precision)
+    # two tl.dots in a row on every path (q k^T then v, or k^T v then q): four rounded operands per term
+    bound = primer.dot_error_bound(precision, depth=T + 2 * K + chunk, roundings=4)
+    assert error_ratio(out, exact, size) <= bound
+
+
+def test_chunked_linear_attention_error_bound_catches_a_missing_state():
+    q, k, v = randn(1, 40, 1, 16, seed=5), randn(1, 40, 1, 16, seed=6), randn(1, 40, 1, 16, seed=7)
+    size = linear_attention_parallel(q.double().abs(), k.double().abs(), v.double().abs())
+    exact = linear_attention_parallel(q.double(), k.double(), v.double())
+    # without the earlier chunks (what a kernel that forgot its state would return) the bound is far exceeded
+    alone = torch.cat(
+        [linear_attention_parallel(*(x[:, i : i + 16] for x in (q, k, v))) for i in (0, 16, 32)], 1
+    )
+    assert error_ratio(alone, exact, size) > 10 * primer.dot_error_bound("tf32", depth=40 + 48, roundings=4)
+
+
+def test_bad_arguments_are_named():
+    x = randn(4)
+    with pytest.raises(ValueError, match="1-D"):
+        primer.vector_add(x, randn(5))
+    with pytest.raises(ValueError, match="2-D"):
+        primer.row_softmax(x)
+    with pytest.raises(ValueError, match="power of two"):
+        primer.chunk_cumsum(randn(1, 4, 1, 2), chunk=12)
+    with pytest.raises(ValueError, match="chunk"):
+        q = randn(1, 8, 1, 16)
+        primer.chunked_linear_attention(q, q, q, chunk=8)
+
+
+def test_program_ids_cover_the_output_once():
+    ids = primer.program_ids((37, 50), (16, 32))
+    assert ids.shape == (48, 64)
+    assert (ids[:37, :50] >= 0).all() and (ids[37:] == -1).all() and (ids[:, 50:] == -1).all()
+    assert ids.max().item() == 3 * 2 - 1 and ids[0, 32].item() == 3  # first grid axis fastest
+
+
+def test_unspecialised_reads_do_not_specialize():
+    from kda_edu.kernels import chunk
+
+    assert primer.unspecialised(chunk._chunk_scan_kernel) == {"NT"}
+    assert primer.unspecialised(primer.add_kernel) == set()

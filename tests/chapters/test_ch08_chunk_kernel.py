@@ -1,0 +1,102 @@
+"""Chapter 8's stage-by-stage tools against the float64 PyTorch reference and the KDA loop."""
+
+import math
+
+import pytest
+import torch
+
+from kda_edu.book import bench_result
+from kda_edu.chapters import ch08_chunk_kernel as ck
+from kda_edu.ops.chunkwise import random_inputs
+from kda_edu.ops.kda import kda_recurrent
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5 if DEVICE == "cpu" else 1e-4
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return random_inputs(1, 100, 1, 32, 16, HV=2, lower_bound=-5.0, device=DEVICE)
+
+
+def test_prepare_matches_reference(inputs):
+    got = ck.prepare(**inputs)
+    ref = ck.reference_intermediates(**inputs)
+    for name in ("w", "u", "qg", "kd", "aqk", "gl"):
+        assert got[name].shape == ref[name].shape, name
+        assert rel(got[name], ref[name]) <= TOL, name
+
+
+def test_prepare_and_scan_with_batches_and_column_steps():
+    # B = 2 checks the [HV, B * NT * C, cols] layout; kc = 16 < K = 32 runs the kernel's column loops twice.
+    x = random_inputs(2, 70, 1, 32, 16, HV=2, lower_bound=-5.0, device=DEVICE)
+    got, ref = ck.prepare(**x, kc=16), ck.reference_intermediates(**x)
+    for name in ("w", "u", "qg", "kd", "aqk", "gl"):
+        assert rel(got[name], ref[name]) <= TOL, name
+    o, ht = ck.scan(got)
+    o_ref, ht_ref = kda_recurrent(**{k: v.double() for k, v in x.items()}, output_final_state=True)
+    assert rel(o, o_ref) <= TOL and rel(ht, ht_ref) <= TOL
+
+
+def test_scan_of_prepare_is_kda(inputs):
+    h0 = torch.randn(1, 2, 32, 16, device=DEVICE)
+    o, ht = ck.scan(ck.prepare(**inputs), initial_state=h0)
+    o_ref, ht_ref = kda_recurrent(**{k: v.double() for k, v in inputs.items()}, initial_state=h0.double(),
+                                  output_final_state=True)  # fmt: skip
+    assert rel(o, o_ref) <= TOL and rel(ht, ht_ref) <= TOL
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 16])
+def test_diagonal_block_inverse(n):
+    gen = torch.Generator().manual_seed(n)
+    L = torch.randn(3, n, n, generator=gen, dtype=torch.float64).tril(-1)
+    eye = torch.eye(n, dtype=torch.float64)
+    assert torch.allclose(ck.diagonal_block_inverse(L), torch.linalg.inv(eye + L), atol=1e-9, rtol=1e-9)
+    assert torch.allclose(ck.neumann_block_inverse(L), torch.linalg.inv(eye + L), atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("C, block", [(64, 16), (32, 8), (64, 64), (16, 16)])
+def test_block_forward_substitution(C, block):
+    gen = torch.Generator().manual_seed(0)
+    L = torch.randn(2, C, C, generator=gen, dtype=torch.float64).tril(-1) * 0.3
+    B = torch.randn(2, C, 5, generator=gen, dtype=torch.float64)
+    eye = torch.eye(C, dtype=torch.float64)
+    got = ck.block_forward_substitution(L, B, block)
+    assert torch.allclose(got, torch.linalg.solve(eye + L, B), atol=1e-9, rtol=1e-9)
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        ck.block_forward_substitution(L[..., 1:, 1:], B[..., 1:, :], block)
+
+
+def test_block_forward_substitution_gives_w_and_u(inputs):
+    ref = ck.reference_intermediates(**inputs)
+    wu = ck.block_forward_substitution(ref["A"], ref["rhs"])
+    assert torch.allclose(wu, torch.cat([ref["w"], ref["u"]], dim=-1), atol=1e-10)
+
+
+def test_counts_at_the_benchmark_shape():
+    traffic = ck.design_traffic(128, 128)
+    reads = traffic["prepare reads q, k, v, g, beta"]
+    assert reads + traffic["scan writes o"] == ck.floor_bytes(128, 128) == 1538
+    assert ck.memory_bytes(traffic) == 1538 + 2 * 1160 and traffic[ck.L2_REREAD] == 2 * 128 + 4 * 128
+    assert ck.algorithm_flops(128) == 126_976
+    flops = ck.design_flops(128, 128)
+    # four diagonal blocks, 15 row steps of a masked 16 x 16 multiply-add each, per 64 tokens
+    assert flops["prepare: diagonal block inverses"] == 4 * 15 * 2 * 16**2 / 64
+    assert flops["prepare: w, u by block substitution"] == 10 * 2 * 16 * 16 * 256 / 64
+    assert sum(flops.values()) == 156_128
+
+
+def test_benchmark_file_and_crossover():
+    bench = bench_result("h200_forward.json")
+    T, ours = ck.times(bench["sweep"], "kda_edu chunk_kda")
+    _, sdpa = ck.times(bench["sweep"], "torch sdpa flash causal")
+    # Linear against quadratic: ours is faster at the longest length; a crossover, if any, lies inside the sweep.
+    assert ours[-1] < sdpa[-1]
+    x = ck.crossover(T, ours, sdpa)
+    assert x is None or T[0] < x < T[-1]
+    assert math.isclose(ck.crossover([1.0, 4.0], [2.0, 8.0], [1.0, 16.0]), 2.0)  # 2 T meets T^2 at T = 2
+    assert ck.crossover([1.0, 4.0], [2.0, 8.0], [1.0, 4.0]) is None

@@ -1,0 +1,338 @@
+"""Chapter 9's helpers: the benchmark readers (`versus`, `kernel_split`, `backward_memory`) and the per-sequence
+gradients of a packed row (`per_sequence_grads`).
+
+The kernel profile of bench/kernels/bench_kda_bwd.py comes in two formats (`profiled_backward`): one profile per pass
+(the current script) and one profile of the whole step (the committed bench/results/h200_fwd_bwd.json, measured
+with the backward before the key-block split); both are tested. `backward_memory` is held to what
+`chunk_bwd.chunk_kda_bwd` keeps alive at each of its launches (on a CPU, under the interpreter), and its
+"previous" count to the committed measurement."""
+
+import inspect
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from kda_edu.book import bench_result
+from kda_edu.chapters.ch09_backward_decoding import (
+    BACKWARD_KERNELS,
+    FORWARD_KERNELS,
+    KERNEL_GROUPS,
+    NAMES,
+    PREVIOUS_BACKWARD_KERNELS,
+    backward_memory,
+    kernel_groups,
+    kernel_split,
+    measured_backward,
+    outputs_and_grads,
+    per_sequence_grads,
+    profiled_backward,
+    profiled_row,
+    versus,
+    versus_range,
+)
+from kda_edu.ops.chunkwise import random_inputs
+from kda_edu.ops.kda import kda_recurrent
+
+
+def test_versus_words():
+    assert versus(2.42) == "2.4x slower"
+    assert versus(0.5) == "2.0x faster"
+    assert versus_range([2.42, 2.53, 2.41]) == "2.4x to 2.5x slower"
+    assert versus_range([2.41, 2.44]) == "2.4x slower"
+    assert versus_range([0.5, 0.7]) == "1.4x to 2.0x faster"
+    assert versus_range([0.8, 1.3]) == "1.2x faster to 1.3x slower"
+
+
+def test_kernel_split_reads_one_profile_per_pass():
+    """The current format: the backward's `_chunk_prepare_kernel` stays apart from the forward's."""
+    fwd = {name: 1000.0 for name in FORWARD_KERNELS} | {"void at::native::copy": 100.0}
+    bwd = {name: 2000.0 for name in BACKWARD_KERNELS} | {
+        "void at::native::copy": 200.0,
+        "reduce_kernel": 50.0,
+    }
+    us = {"forward": fwd, "backward": bwd}
+    assert profiled_backward(us) == "current"
+    split = kernel_split(us)
+    assert split["forward"] == {name: 1.0 for name in FORWARD_KERNELS}
+    assert split["backward"] == {name: 2.0 for name in BACKWARD_KERNELS}
+    assert (
+        split["forward"]["_chunk_prepare_kernel"] == 1.0 and split["backward"]["_chunk_prepare_kernel"] == 2.0
+    )
+    assert split["other"] == pytest.approx({"void at::native::copy": 0.3, "reduce_kernel": 0.05})
+    total = sum(fwd.values()) + sum(bwd.values())
+    assert sum(ms for part in split.values() for ms in part.values()) == pytest.approx(total / 1e3)
+
+
+def test_kernel_split_reads_one_profile_of_the_previous_backward():
+    """The format of the committed file: one profile of the whole step, the backward with its own prepare."""
+    us = {name: 1000.0 for name in FORWARD_KERNELS + PREVIOUS_BACKWARD_KERNELS} | {
+        "void at::native::copy": 500.0
+    }
+    assert profiled_backward(us) == "previous"
+    split = kernel_split(us)
+    assert set(split["forward"]) == set(FORWARD_KERNELS)
+    assert set(split["backward"]) == set(PREVIOUS_BACKWARD_KERNELS)
+    assert split["other"] == {"void at::native::copy": 0.5}
+    assert sum(ms for part in split.values() for ms in part.values()) == pytest.approx(sum(us.values()) / 1e3)
+
+
+def test_one_profile_of_the_current_backward_is_refused():
+    """Both passes launch `_chunk_prepare_kernel`: one profile keyed by name would add their times."""
+    us = {name: 1000.0 for name in FORWARD_KERNELS + BACKWARD_KERNELS}
+    with pytest.raises(ValueError, match="separately"):
+        kernel_split(us)
+
+
+@pytest.mark.parametrize(
+    "name, which",
+    [
+        ("h200_fwd_bwd.json", "previous"),
+        ("h200_fwd_bwd_split.json", "current"),
+        ("h200_fwd_bwd_split_f12f262.json", "current"),
+    ],
+)
+def test_kernel_split_reads_the_committed_profile(name, which):
+    result = bench_result(name)
+    if result is None:
+        pytest.skip(f"bench/results/{name} is not here")
+    profile = next(r["kda_edu kernels us"] for r in result["rows"] if "kda_edu kernels us" in r)
+    assert measured_backward(result) == which
+    split = kernel_split(profile)
+    assert set(split["forward"]) == set(FORWARD_KERNELS)
+    assert set(split["backward"]) == set(
+        BACKWARD_KERNELS if which == "current" else PREVIOUS_BACKWARD_KERNELS
+    )
+    parts = profile.values() if which == "current" else [profile]
+    total = sum(us for part in parts for us in part.values())
+    assert sum(ms for part in split.values() for ms in part.values()) == pytest.approx(total / 1e3)
+
+
+def test_plot_fwd_bwd_reads_both_formats(monkeypatch):
+    """The chapter's figure from the committed file, and from the same numbers as a per-pass profile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kda_edu.chapters.ch09_backward_decoding import plot_fwd_bwd
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    result = bench_result("h200_fwd_bwd.json")
+    if result is None:
+        pytest.skip("bench/results/h200_fwd_bwd.json is not here")
+    fig = plot_fwd_bwd(
+        result, backward_memory(1, 32768, 32, 32, 128, 128, backward=measured_backward(result))
+    )
+    title = fig._suptitle.get_text()
+    assert ("previous backward" in title) == (measured_backward(result) == "previous")
+    per_pass = {
+        "forward": {n: 100.0 for n in FORWARD_KERNELS},
+        "backward": {n: 200.0 for n in BACKWARD_KERNELS},
+    }
+    per_pass["backward"]["void at::native::reduce_kernel"] = 10.0
+    rows = [
+        dict(r, **{"kda_edu kernels us": per_pass}) if "kda_edu kernels us" in r else r
+        for r in result["rows"]
+    ]
+    fig = plot_fwd_bwd(dict(result, rows=rows), backward_memory(1, 32768, 32, 32, 128, 128))
+    assert "previous backward" not in fig._suptitle.get_text()
+    bars = [t.get_text() for t in fig.axes[1].get_yticklabels()]
+    assert bars.count("forward: _chunk_prepare_kernel") == bars.count("backward: _chunk_prepare_kernel") == 1
+    assert bars[-1] == "PyTorch's own kernels"
+    plt.close("all")
+
+
+def test_kernel_groups_and_the_figure_of_the_builds(monkeypatch):
+    """Every committed profile in six groups that add up to it, and the figure of the three files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kda_edu.chapters.ch09_backward_decoding import plot_backward_builds
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    names = ("h200_fwd_bwd.json", "h200_fwd_bwd_split_f12f262.json", "h200_fwd_bwd_split.json")
+    results = {name: bench_result(name) for name in names}
+    if any(r is None for r in results.values()):
+        pytest.skip("bench/results/ is not here")
+    for result in results.values():
+        profile = profiled_row(result)["kda_edu kernels us"]
+        groups, split = kernel_groups(profile), kernel_split(profile)
+        assert tuple(groups) == KERNEL_GROUPS and min(groups.values()) > 0
+        assert sum(groups.values()) == pytest.approx(sum(ms for p in split.values() for ms in p.values()))
+    fig = plot_backward_builds(results)
+    assert "12.18 -> 6.40 ms, 1.27x slower than fla's" in fig._suptitle.get_text()
+    assert len(fig.axes[0].patches) == len(names) * len(KERNEL_GROUPS)
+    with pytest.raises(ValueError, match="kernel profile"):
+        profiled_row(dict(results["h200_fwd_bwd.json"], rows=results["h200_fwd_bwd.json"]["rows"][1:]))
+    other = dict(
+        results["h200_fwd_bwd.json"], rows=[dict(profiled_row(results["h200_fwd_bwd.json"]), T=4096)]
+    )
+    with pytest.raises(ValueError, match="different shapes"):
+        plot_backward_builds({"a": other, "b": results["h200_fwd_bwd_split.json"]})
+    plt.close("all")
+
+
+def test_backward_memory_phases():
+    rows = 8 * 64 * 64  # rows of the [rows, 64] intermediates: 8 heads x 64 chunks of 64
+    bf16 = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2)
+    assert bf16["peak"] == max(bf16["phases"].values()) == sum(bf16["at_peak"].values())
+    assert max(bf16["phases"], key=bf16["phases"].get) == "local_k (6)"
+    assert "qg, kd" not in bf16["at_peak"]  # freed before the local kernels
+    assert "X = (I + A)^-1 (float32)" not in bf16["at_peak"]  # freed before local_k
+    assert bf16["at_peak"]["dA, local_v's shares (float32)"] == 2 * rows * 64 * 4  # K = 128: two blocks
+    assert bf16["at_peak"]["dq, dk in the input dtype (written by local_k)"] == 2 * 4096 * 8 * 128 * 2
+    fp32 = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=4)
+    assert not any("cast" in name or "input dtype" in name for name in fp32["at_peak"])  # no cast needed
+    grouped = backward_memory(1, 4096, 4, 8, 128, 128, in_bytes=2)  # two value heads per key head
+    dqk = 2 * 4096 * 128  # numbers in dq and dk of one head
+    assert bf16["phases"]["local_k (6)"] - grouped["phases"]["local_k (6)"] == 8 * dqk * 2  # bf16 dq, dk
+    # grouped: float32 dq, dk of 8 value heads kept, their sums over 4 key heads, cast; bf16: only the bf16 ones
+    assert grouped["phases"]["casts"] - bf16["phases"]["casts"] == 8 * dqk * (4 - 2) + 4 * dqk * (4 + 2)
+    previous = backward_memory(1, 4096, 4, 8, 128, 128, in_bytes=2, backward="previous")
+    assert "dq, dk summed over value heads" in previous["at_peak"]
+    one_block = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2, lv_block=128)  # one share of dA
+    assert bf16["phases"]["local_k (6)"] - one_block["phases"]["local_k (6)"] == rows * 64 * 4
+    assert one_block["phases"]["casts"] == bf16["phases"]["casts"]  # the shares are gone by then
+    interp = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2, work_bytes=4)
+    float32_work = rows * (128 + 128 + 64 + 128) + 2 * 8 * 64 * 128 * 128  # w, u, Aqk, U; S0, dS
+    assert interp["phases"]["casts"] - bf16["phases"]["casts"] == float32_work * (4 - 2)
+    with pytest.raises(ValueError):
+        backward_memory(1, 64, 1, 1, 16, 16, backward="stop 11")
+
+
+def test_backward_memory_knobs_are_the_backwards_defaults():
+    from kda_edu.kernels import chunk_bwd
+
+    launcher = inspect.signature(chunk_bwd.chunk_kda_bwd).parameters
+    model = inspect.signature(backward_memory).parameters
+    for knob in ("lv_block", "lk_block"):
+        assert model[knob].default == launcher[knob].default, knob
+    assert model["chunk"].default == chunk_bwd.CHUNK
+
+
+class _Alive:
+    """Stands in for one of chunk_bwd's kernels (or `_finish`): before passing the call on, records the bytes
+    of every tensor the calling `chunk_kda_bwd` holds in its local variables, its inputs excepted, each
+    storage once (dAqk shares Aqk's buffer; dq_out, dk_out are dq, dk unless local_k writes 16-bit ones).
+    With `after`, for `prepare_chunks`, which allocates its buffers itself: records once the call has
+    returned, counting the buffers it returns too."""
+
+    INPUTS = {"q", "k", "v", "g", "beta", "h0", "do", "dht", "cu_seqlens", "chunks", "offsets"}
+
+    def __init__(self, fn, phase, log, after=False):
+        self.fn, self.phase, self.log, self.after = fn, phase, log, after
+
+    def _record(self, returned=()):
+        frame = sys._getframe(2)
+        assert frame.f_code.co_name == "chunk_kda_bwd"
+        storages = {}
+        tensors = [t for name, t in frame.f_locals.items() if name not in self.INPUTS]
+        for t in [*tensors, *returned]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        self.log.setdefault(self.phase, sum(storages.values()))  # local_v's first launch
+
+    def __getitem__(self, grid):
+        self._record()
+        return self.fn[grid]
+
+    def __call__(self, *args, **kwargs):
+        if not self.after:
+            self._record()
+            return self.fn(*args, **kwargs)
+        result = self.fn(*args, **kwargs)
+        self._record(returned=result[0].values())
+        return result
+
+
+@pytest.mark.parametrize(
+    "K, V, knobs, dtype",
+    [
+        (48, 40, {}, torch.float32),
+        (48, 40, dict(lk_block=16, lv_block=16), torch.float32),
+        (128, 64, {}, torch.float32),
+        (128, 64, {}, torch.bfloat16),
+    ],
+    ids=["K48_defaults_one_lv_block", "K48_blocks_of_16", "K128_defaults", "K128_bf16"],
+)
+def test_backward_memory_follows_the_allocations(K, V, knobs, dtype):
+    """Every phase of `backward_memory` equals what `chunk_kda_bwd` holds when it launches that phase's kernel
+    (the casts: when it calls `_finish`, so without what `_finish` makes), minus the output o, which the
+    caller holds. bf16 as the benchmark
+    has it (q, k, v, beta in bf16, g in float32): local_k writes dq, dk in bf16 and only dbeta is cast. The
+    interpreter keeps the intermediates in float32 whatever the inputs (`work_bytes=4`); a GPU keeps them in
+    the input dtype."""
+    from kda_edu.kernels import chunk_bwd, chunk_kda
+    from kda_edu.kernels._backend import interpreting
+
+    B, T, H = 1, 130, 2  # three chunks, the last one short
+    x = random_inputs(B, T, H, K, V, seed=3, device="cuda" if torch.cuda.is_available() else "cpu")
+    x = {n: t.to(dtype) if n != "g" else t for n, t in x.items()}
+    xs = {n: t.clone().requires_grad_() for n, t in x.items()}
+    log = {}
+    phases = {
+        "prepare_chunks": "recompute (kernels 1-2)",
+        "_dstates_kernel": "state passes (3-4)",
+        "_local_v_kernel": "local_v (5)",
+        "_local_k_kernel": "local_k (6)",
+        "_finish": "casts",
+    }
+    patches = [
+        mock.patch.object(chunk_bwd, n, _Alive(getattr(chunk_bwd, n), p, log, after=n == "prepare_chunks"))
+        for n, p in phases.items()
+    ]
+    original = chunk_bwd.chunk_kda_bwd
+    patches.append(
+        mock.patch.object(chunk_bwd, "chunk_kda_bwd", lambda *a, **kw: original(*a, **kw, **knobs))
+    )
+    o, _ = chunk_kda(*(xs[n] for n in ("q", "k", "v", "g", "beta")))
+    for p in patches:
+        p.start()
+    try:
+        o.backward(torch.randn_like(o))
+    finally:
+        for p in reversed(patches):
+            p.stop()
+    in_bytes = torch.finfo(dtype).bits // 8
+    model = backward_memory(
+        B, T, H, H, K, V, in_bytes=in_bytes, work_bytes=4 if interpreting() else in_bytes, **knobs
+    )
+    o_bytes = o.numel() * o.element_size()
+    made_by_finish = sum(b for n, b in model["buffers"]["casts"].items() if "cast to" in n or "summed" in n)
+    assert made_by_finish == (0 if dtype == torch.float32 else T * H * 2)  # bf16: dbeta's cast only
+    expected = {phase: nbytes - o_bytes for phase, nbytes in model["phases"].items()}
+    expected["casts"] -= made_by_finish  # recorded as `_finish` is called, before it casts
+    assert log == expected
+
+
+def test_backward_memory_reproduces_the_measured_peak():
+    """The committed measurement, counted for the backward that made it (`measured_backward`)."""
+    result = bench_result("h200_fwd_bwd.json")
+    if result is None:
+        pytest.skip("bench/results/h200_fwd_bwd.json is not here")
+    row = next(r for r in result["rows"] if "kda_edu chunk_kda peak GiB" in r)
+    mem = backward_memory(
+        row["B"], row["T"], row["H"], row["H"], 128, 128, in_bytes=2, backward=measured_backward(result)
+    )
+    assert mem["peak"] / 2**30 == pytest.approx(row["kda_edu chunk_kda peak GiB"], rel=0.02)
+
+
+def test_per_sequence_grads_handles_an_empty_sequence():
+    lengths = [3, 0, 5]
+    cu = torch.tensor([0, 3, 3, 8])
+    x = random_inputs(1, sum(lengths), 1, 4, 3, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    x["h0"], dht = (torch.randn(len(lengths), 1, 4, 3, generator=gen) for _ in range(2))
+    do = torch.randn(1, sum(lengths), 1, 3, generator=gen)
+    o, ht, grads = per_sequence_grads(kda_recurrent, x, do, dht, cu, dtype=torch.float64)
+    assert torch.equal(ht[1], x["h0"][1].double()) and torch.equal(grads["h0"][1], dht[1].double())
+    last = {n: x[n][:, 3:] for n in NAMES[:5]} | {"h0": x["h0"][2:]}
+    o_3, ht_3, g_3 = outputs_and_grads(kda_recurrent, last, do[:, 3:], dht[2:])
+    assert torch.allclose(o[:, 3:], o_3) and torch.allclose(ht[2:], ht_3)
+    assert all(torch.allclose(grads[n][:, 3:], g_3[n]) for n in NAMES[:5])
+    assert torch.allclose(grads["h0"][2:], g_3["h0"])

@@ -1,0 +1,194 @@
+"""Chapter 13's serving helpers: pieces through a cache, live cache bytes, synthetic caches, timing."""
+
+import pytest
+import torch
+
+from kda_edu.chapters.ch13_inference import (
+    batch_one_rows,
+    count_ops,
+    decode_step_bytes,
+    decode_step_seconds,
+    decode_throughput,
+    forward_in_pieces,
+    largest_batch_rows,
+    max_batch,
+    measure_cache_bytes,
+    mla_append_seconds,
+    synthetic_cache,
+    weight_bytes,
+)
+from kda_edu.layers.kda_layer import KDAConfig
+from kda_edu.layers.mla import MLA, MLACache, MLAConfig
+from kda_edu.models.costs import cache_bytes
+from kda_edu.models.model import HybridConfig, HybridLM
+
+CONFIG = HybridConfig(
+    vocab_size=40,
+    d_model=16,
+    n_layers=4,
+    kda=KDAConfig(num_heads=2, head_dim=8, chunk_size=8),
+    mla=MLAConfig(num_heads=2, kv_rank=12, qk_head_dim=8, v_head_dim=8),
+)
+
+
+def test_pieces_equal_one_forward_pass():
+    torch.manual_seed(0)
+    model = HybridLM(CONFIG).double().eval()
+    ids = torch.randint(0, 40, (2, 30))
+    with torch.no_grad():
+        full = model(ids)
+    assert torch.allclose(forward_in_pieces(model, ids, [11, 1, 1, 16, 1]), full, atol=1e-10)
+    with pytest.raises(ValueError, match="sum to T = 30"):
+        forward_in_pieces(model, ids, [10, 10])
+
+
+def test_measured_bytes_match_the_formula_and_the_synthetic_cache():
+    rows = measure_cache_bytes(CONFIG, [5, 20], batch=2, piece=7)
+    for row in rows:
+        formula = cache_bytes(CONFIG, row["context_len"], batch_size=2)
+        assert {k: row[k] for k in ("kda", "mla")} == formula
+        model = HybridLM(CONFIG)
+        assert synthetic_cache(model, 2, row["context_len"]).nbytes_by_kind() == formula
+
+
+def test_decode_throughput_and_append_timing_run():
+    rows = decode_throughput(CONFIG, batch=2, context_lens=[4, 16], steps=1)
+    assert [r["context_len"] for r in rows] == [4, 16] and all(r["tokens_per_s"] > 0 for r in rows)
+    layer = MLA(16, CONFIG.mla)
+    assert mla_append_seconds(layer, 20, 3, "mqa", repeats=1) > 0
+
+
+def test_max_batch_counts_caches_and_the_step():
+    per_seq = sum(cache_bytes(CONFIG, 100, dtype_bytes=2).values())
+    assert max_batch(CONFIG, 100, 10 * per_seq + 1, include_step=False) == 10
+    # with the step: the largest batch whose caches and temporaries fit
+    for budget in (1e5, 3e5, 1e6, 2**30):
+        fit = max_batch(CONFIG, 100, budget)
+
+        def needed(b):
+            caches = sum(cache_bytes(CONFIG, 100, b, dtype_bytes=2).values())
+            return caches + decode_step_bytes(CONFIG, 100, b)
+
+        assert needed(fit) <= budget < needed(fit + 1)
+        assert fit <= max_batch(CONFIG, 100, budget, include_step=False)
+    assert max_batch(CONFIG, 100, 10) == 0
+
+
+def test_decode_step_bytes_of_an_mla_decoding_step():
+    """Kimi-like attention layers in bf16 at S = 4096 and batch 256: the largest temporary is the appended
+    cache of one layer (256 x 4097 x 512 x 2 bytes, 1 GiB), not 32 float32 copies of it (64 GiB)."""
+    config = HybridConfig(
+        vocab_size=32000,
+        d_model=2304,
+        n_layers=8,
+        layer_pattern="A",
+        mla=MLAConfig(num_heads=32, kv_rank=512, qk_head_dim=128, v_head_dim=128),
+    )
+    step = decode_step_bytes(config, 4096, batch_size=256)
+    assert 256 * 4097 * 512 * 2 <= step < 1.2 * 2**30
+    assert decode_step_bytes(config, 65536, 256) > decode_step_bytes(config, 4096, 256)
+
+
+def test_decode_step_seconds_stops_after_max_seconds():
+    torch.manual_seed(0)
+    model = HybridLM(CONFIG).eval()
+    cache = synthetic_cache(model, 2, 30)
+    calls = []
+    real = model._logits
+    model._logits = lambda *a: calls.append(1) or real(*a)
+    assert decode_step_seconds(model, cache, steps=5, warmup=3, max_seconds=0.0) > 0
+    assert len(calls) == 2  # one warm-up run, then one timed run
+    assert all(c.seq_len == 30 for c in cache.layers if isinstance(c, MLACache))
+
+
+def test_largest_batch_rows_leave_out_skipped_rows():
+    rows = [
+        {"pattern": "A", "context_len": 8, "batch": 1, "tokens_per_s": 1.0},
+        {"pattern": "A", "context_len": 8, "batch": 4, "skipped": "out of memory"},
+        {"pattern": "A", "context_len": 4, "batch": 2, "tokens_per_s": 2.0},
+        {"pattern": "K", "context_len": 4, "batch": 9, "tokens_per_s": 3.0},
+    ]
+    picked = largest_batch_rows({"rows": rows}, "A")
+    assert [(r["context_len"], r["batch"]) for r in picked] == [(4, 2), (8, 1)]
+
+
+def test_batch_one_rows_are_ordered_and_leave_out_skipped_rows():
+    rows = [
+        {"pattern": "A", "context_len": 8, "batch": 1, "tokens_per_s": 1.0},
+        {"pattern": "A", "context_len": 8, "batch": 4, "tokens_per_s": 3.0},
+        {"pattern": "A", "context_len": 4, "batch": 1, "tokens_per_s": 2.0},
+        {"pattern": "A", "context_len": 16, "batch": 1, "skipped": "time limit"},
+        {"pattern": "K", "context_len": 4, "batch": 1, "tokens_per_s": 3.0},
+    ]
+    picked = batch_one_rows({"rows": rows}, "A")
+    assert [(r["context_len"], r["tokens_per_s"]) for r in picked] == [(4, 2.0), (8, 1.0)]
+
+
+def test_weight_bytes_count_the_parameters_without_allocating_them():
+    torch.manual_seed(0)
+    for tie in (True, False):
+        config = HybridConfig.from_dict({**CONFIG.to_dict(), "tie_embeddings": tie})
+        numbers = sum(p.numel() for p in HybridLM(config).parameters())
+        assert weight_bytes(config) == 2 * numbers and weight_bytes(config, dtype_bytes=4) == 4 * numbers
+
+
+def load_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_decode_throughput.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_decode_benchmark_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "smoke.json"
+    _, script = load_benchmark()
+    subprocess.run([sys.executable, str(script), "--smoke", "--steps", "1", "--out", str(out)], check=True)
+    result = json.loads(out.read_text())
+    assert result["smoke"] and {r["pattern"] for r in result["rows"]} == {"A", "KKKA", "K"}
+    assert all(r["tokens_per_s"] > 0 and r["batch"] <= 8 for r in result["rows"])
+    assert all(r["estimated_bytes"] >= r["cache_bytes"] for r in result["rows"])
+
+
+def test_decode_benchmark_skips_a_point_that_runs_out_of_memory(tmp_path, monkeypatch):
+    """One point running out of memory is recorded as skipped; the others are still measured."""
+    import json
+    import sys
+
+    bench, _ = load_benchmark()
+    real = bench.decode_row
+
+    def decode_row(model, batch, context_len, **kwargs):
+        if batch > 1 and context_len == 64 and model.config.layer_pattern == "A":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.02 GiB. GPU 0 ...")
+        return real(model, batch, context_len, **kwargs)
+
+    monkeypatch.setattr(bench, "decode_row", decode_row)
+    out = tmp_path / "oom.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--steps", "1", "--out", str(out)])
+    bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    skipped = [r for r in rows if "skipped" in r]
+    assert [(r["pattern"], r["context_len"]) for r in skipped] == [("A", 64)]
+    assert skipped[0]["skipped"].startswith("out of memory: CUDA out of memory. Tried to allocate 64.02 GiB")
+    assert len(rows) == 12 and all(r["tokens_per_s"] > 0 for r in rows if "skipped" not in r)
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--time-limit-s", "0", "--out", str(out)])
+    bench.main()
+    assert all(r["skipped"].startswith("time limit") for r in json.loads(out.read_text())["rows"])
+
+
+def test_count_ops_counts_dispatched_operations():
+    x = torch.ones(3)
+    assert count_ops(lambda: None) == 0
+    assert count_ops(lambda: x + 1) == 1
+    assert count_ops(lambda: (x * 2).sum()) == 2
+    layer = MLA(16, CONFIG.mla)
+    assert count_ops(lambda: layer(torch.randn(1, 1, 16), cache=layer.new_cache())) > 5

@@ -1,7 +1,8 @@
 """Shared test set-up.
 
-Triton's interpreter must be switched on before the first `import triton` (fla imports it
-too), so this happens here, before any test module is collected.
+kda_edu's kernels choose Triton's interpreter themselves on a machine without a GPU. fla's kernels (the
+tests' independent oracle) are plain `@triton.jit` kernels, which run on a CPU only if TRITON_INTERPRET=1 is
+set when they are defined: that happens here, before any test module is collected.
 """
 
 import torch
@@ -9,7 +10,7 @@ from hypothesis import settings
 
 from kda_edu.kernels import _backend
 
-_backend.configure()
+_backend.interpret_plain_kernels()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

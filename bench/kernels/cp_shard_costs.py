@@ -27,12 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kda_edu.kernels import _backend
-
-_backend.configure()
-
-from kda_edu.kernels import chunk_kda  # noqa: E402
-from kda_edu.ops.context_parallel import fold_maps, shard_layout, shard_map  # noqa: E402
+from kda_edu.kernels import chunk_kda
+from kda_edu.ops.context_parallel import fold_maps, shard_layout, shard_map
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

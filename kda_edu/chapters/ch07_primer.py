@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_edu.kernels._backend import interpreting
+from kda_edu.kernels._backend import interpreting, jit
 
 MIN_DOT = 16  # the smallest block a GPU's tl.dot accepts along each dimension
 
@@ -65,7 +65,7 @@ def _check_precision(input_precision: str | None) -> None:
 # 1. Vector add: programs, blocks, masks
 
 
-@triton.jit
+@jit
 def add_kernel(x, y, out, n, BLOCK: tl.constexpr):
     """out[i] = x[i] + y[i]; program p owns elements p * BLOCK .. p * BLOCK + BLOCK - 1."""
     pid = tl.program_id(0)
@@ -90,7 +90,7 @@ def vector_add(x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> torch.Ten
 # 2. Row-wise softmax: one program per row, reductions
 
 
-@triton.jit
+@jit
 def softmax_kernel(x, out, n_cols, row_stride, BLOCK: tl.constexpr):
     """Softmax of row `program_id(0)`; the whole row fits in one block of BLOCK >= n_cols columns."""
     row = tl.program_id(0)
@@ -117,7 +117,7 @@ def row_softmax(x: torch.Tensor) -> torch.Tensor:
 # 3. Chunked cumulative sum of the gates: a 2-D tile per program, tl.cumsum
 
 
-@triton.jit
+@jit
 def chunk_cumsum_kernel(g, out, T, H, K, C: tl.constexpr, BK: tl.constexpr):
     """Cumulative sum over time inside chunk `program_id(0)` of head `program_id(1)` (= b * H + h).
 
@@ -164,7 +164,7 @@ def chunk_cumsum_reference(g: torch.Tensor, chunk: int = 64) -> torch.Tensor:
 # 4. Batched matrix product: tiles, a loop over the inner dimension, tl.dot
 
 
-@triton.jit
+@jit
 def batched_matmul_kernel(
     a,
     b,
@@ -259,7 +259,7 @@ def batched_matmul(
 # 5. Chunked linear attention: a loop over chunks with the state in registers
 
 
-@triton.jit
+@jit
 def chunked_linear_attention_kernel(
     q,
     k,

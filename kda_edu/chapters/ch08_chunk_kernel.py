@@ -18,7 +18,7 @@ import math
 import torch
 import triton
 
-from kda_edu.kernels.chunk import CHUNK, SUB, _chunk_scan_kernel, chunk_layout, pow2, prepare_chunks
+from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_layout, pow2, prepare_chunks
 from kda_edu.ops._chunks import to_chunks
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
 
@@ -66,7 +66,7 @@ def scan(prepared: dict, initial_state: torch.Tensor | None = None, bv: int = 16
     ht = torch.empty(s["B"], s["HV"], s["K"], s["V"], device=dev)
     h0 = initial_state.contiguous().float() if initial_state is not None else None
     BK = pow2(s["K"])
-    _chunk_scan_kernel[(triton.cdiv(s["V"], bv), s["B"] * s["HV"])](
+    KERNELS["scan"][(triton.cdiv(s["V"], bv), s["B"] * s["HV"])](
         *flat.values(), o, h0, ht, None, None, s["T"], s["HV"], s["K"], s["V"], s["NT"], s["NCH"],
         BT=CHUNK, BK=BK, BVP=pow2(s["V"]), BV=bv, USE_H0=h0 is not None, STORE_HT=True, PREC="ieee",
         IS_VARLEN=False, num_warps=4,

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.kernels._backend import jit, launchable
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _SENTINEL = 12345.0
@@ -46,7 +47,7 @@ def _output(*shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 def launch_kernel(kernel, grid, *args, **meta) -> None:
     try:
-        kernel[grid](*args, **meta)
+        launchable(kernel)[grid](*args, **meta)
     except WrongAnswer:
         raise
     except (
@@ -90,7 +91,7 @@ def _dot_tolerance(depth: int) -> float:
 # Puzzle 1: outer product, a 2-D grid of tiles
 
 
-@triton.jit
+@jit
 def solution_outer(x, y, z, N0, N1, B0: tl.constexpr, B1: tl.constexpr):
     """z[i, j] = x[i] * y[j] for z `[N0, N1]`; program (p0, p1) owns rows p0 B0.. and columns p1 B1..."""
     i = tl.program_id(0) * B0 + tl.arange(0, B0)
@@ -120,7 +121,7 @@ def check_outer(kernel) -> str:
 # Puzzle 2: the decay from each step to the end of its chunk
 
 
-@triton.jit
+@jit
 def solution_chunk_end_decay(g, k, out, T, K, C: tl.constexpr, BK: tl.constexpr):
     """out[t] = k[t] * exp(gc_end - gc_t) for one head: g, k, out `[T, K]`; program n owns chunk n."""
     t = tl.program_id(0) * C + tl.arange(0, C)
@@ -163,7 +164,7 @@ def check_chunk_end_decay(kernel) -> str:
 # Puzzle 3: causal scores of a chunk with tl.dot
 
 
-@triton.jit
+@jit
 def solution_causal_scores(q, k, out, T, D, C: tl.constexpr, BD: tl.constexpr):
     """out[n, i, j] = q_{nC+i} . k_{nC+j} for j <= i, else 0; q, k `[T, D]`, out `[NC, C, C]`."""
     n = tl.program_id(0)
@@ -207,7 +208,7 @@ def check_causal_scores(kernel) -> str:
 # Puzzle 4: carry a state across chunks
 
 
-@triton.jit
+@jit
 def solution_chunk_states(k, v, states, T, D, C: tl.constexpr, BD: tl.constexpr):
     """states[n] = sum over steps t < (n + 1) C of k_t v_t^T; k, v `[T, D]`, states `[NC, D, D]`; one program."""
     rows = tl.arange(0, C)

@@ -9,7 +9,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
 import triton.language as tl
 
 from kda_edu.chapters.ch08_chunk_kernel import (
@@ -22,6 +21,7 @@ from kda_edu.chapters.ch08_chunk_kernel import (
 )
 from kda_edu.exercises import WrongAnswer, expect, passed
 from kda_edu.exercises.ch07 import expect_kernel, launch_kernel
+from kda_edu.kernels._backend import jit
 from kda_edu.ops.kda import kda_recurrent
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +85,7 @@ def check_design_bytes(fn) -> str:
 # Exercise 2: the state pass as a Triton kernel
 
 
-@triton.jit
+@jit
 def solution_scan_kernel(w, u, qg, kd, aqk, gl, o, NT, C: tl.constexpr, D: tl.constexpr):
     """One head, K = V = D: walk the NT chunks with S (D x D, float32) in registers.
 

@@ -1,65 +1,114 @@
-"""Where the KDA recurrence runs: the one backend switch of the package, and how Triton is set up.
+"""Where kda_edu's Triton kernels run: compiled for a CUDA GPU, or through Triton's interpreter on a CPU.
 
-A layer that runs the KDA recurrence (`kda_edu.layers.kda_layer.KDALayer`, `kda_edu.layers.mixers.TokenMixer`) has a
-`backend` in its config, one of `BACKENDS`, and asks `use_triton(backend, x)` on every call:
+Triton turns a function into a kernel when `@triton.jit` runs on it: a compiled kernel if the
+`TRITON_INTERPRET` setting is off at that moment, an interpreted one (NumPy on the CPU, one program after
+another) if it is on. kda_edu decides for its own kernels, without touching the rest of the process:
 
-    "auto"    the Triton kernels of `kda_edu.kernels` where they run compiled (x on a CUDA GPU, in a 16- or
-              32-bit float dtype, interpreter off); the PyTorch forms of `kda_edu.ops.kda` everywhere else
-    "torch"   always the PyTorch forms
-    "triton"  always the kernels; on a CPU that is Triton's interpreter (slow: for tests and for reading),
-              and where they cannot run at all the kernels' device check raises a ValueError saying why
+- `INTERPRET` (`kda_edu.backend`) is True when there is no CUDA GPU, or when the user started Python with `TRITON_INTERPRET=1`;
+- `jit` is `triton.jit` for kda_edu's kernels: with `INTERPRET` it builds the interpreted kernel with the
+  setting switched on for that moment only, and switches it on again around each launch (Triton reads it
+  while interpreting too), restoring the environment afterwards.
 
-Triton decides once, at import time, whether it compiles kernels for a GPU or runs them
-through its Python interpreter (``TRITON_INTERPRET=1``). `configure` makes that choice for
-``kda_edu.kernels``: on a machine without a CUDA GPU it turns the interpreter on, so every
-kernel in the book also runs on a laptop CPU (slowly, at small sizes).
+So `import kda_edu.kernels` works whether or not Triton (or fla, or torch.compile) was imported first, and
+it never changes how anyone else's kernels are built. The rule for kernels defined outside kda_edu with a
+plain `@triton.jit` (a notebook's, a reader's, fla's) is Triton's own: on a machine without a GPU they run
+only if `TRITON_INTERPRET=1` is in the environment when they are defined (`interpret_plain_kernels()` sets
+it, or `%env TRITON_INTERPRET=1` in a notebook).
 """
 
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-_HELP = (
-    "kda_edu.kernels needs Triton's interpreter on a machine without a CUDA GPU, and the "
-    "interpreter can only be switched on before `import triton`. Triton was already imported "
-    "without it. Either set the environment variable TRITON_INTERPRET=1 before starting Python "
-    "(in a notebook: `%env TRITON_INTERPRET=1` in the first cell), or import kda_edu.kernels "
-    "before anything that imports triton, then restart the kernel."
-)
+from kda_edu.backend import INTERPRET, interpreting  # noqa: F401 (interpreting: the kernels' own import)
 
 
-BACKENDS = ("auto", "torch", "triton")
-KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+@contextmanager
+def interpreter_on():
+    """Triton's interpreter setting switched on inside the block; the environment as it was afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4 reads the setting through triton.knobs
+    try:
+        if knobs is not None:
+            with knobs.runtime.scope():
+                knobs.runtime.interpret = True
+                yield
+        else:
+            os.environ["TRITON_INTERPRET"] = "1"
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
-def check_backend(backend, owner: str) -> None:
-    """Raise a ValueError naming `owner` (e.g. "KDAConfig.backend") unless backend is one of `BACKENDS`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{owner} must be one of {BACKENDS}, got {backend!r}")
+def _interpret_triton_language() -> None:
+    """Rebuild Triton's own library kernels (`tl.sum`, `tl.cumsum`, `tl.zeros`, ... and the tensor methods that
+    call them) for the interpreter, when Triton was imported before anyone switched it on.
+
+    Triton builds these with `@jit` as it is imported; an interpreted kernel cannot call a compiled one. This
+    runs only when kda_edu interprets because there is no CUDA GPU, where a compiled kernel cannot run at all,
+    so nothing that worked before stops working.
+    """
+    built = {}
+    owners = [
+        m for name, m in list(sys.modules.items()) if name.startswith("triton.language") and m is not None
+    ]
+    for owner in [*owners, tl.core.tensor]:
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in built:
+                    with interpreter_on():
+                        built[id(value)] = triton.jit(value.fn)
+                setattr(owner, name, built[id(value)])
 
 
-def use_triton(backend: str, x: torch.Tensor) -> bool:
-    """True when the recurrence on x (the queries, say) runs in the Triton kernels under `backend`."""
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        return True
-    return x.is_cuda and x.dtype in KERNEL_FLOATS and not interpreting()
+def jit(fn=None, **options):
+    """`triton.jit` for kda_edu's kernels: compiled on a GPU, interpreted (per kernel, per launch) on a CPU.
+
+    Used as `@jit` or `@jit(do_not_specialize=[...])`, with `triton.jit`'s options. The kernel keeps
+    Triton's interface (`kernel[grid](...)`, `.fn` for its Python source).
+    """
+
+    def decorate(fn):
+        if not INTERPRET:
+            return triton.jit(fn, **options)
+        with interpreter_on():
+            kernel = triton.jit(fn, **options)
+        launch = kernel.run
+
+        def run(*args, **kwargs):
+            with interpreter_on():
+                return launch(*args, **kwargs)
+
+        kernel.run = run  # `kernel[grid](...)` calls self.run: the interpreter is on while it runs
+        return kernel
+
+    return decorate if fn is None else decorate(fn)
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run through the interpreter (on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def launchable(kernel):
+    """`kernel` ready to launch here: on a machine that interpretes, a kernel that a plain `@triton.jit` compiled
+    (it was defined while `TRITON_INTERPRET` was off, e.g. in a notebook) is rebuilt from its Python function
+    as `jit` builds kda_edu's own; anything else is returned as it is. Exercise checkers launch readers' kernels
+    through it."""
+    if INTERPRET and isinstance(kernel, triton.runtime.JITFunction):
+        return jit(kernel.fn)
+    return kernel
 
 
-def configure() -> None:
-    """Switch the interpreter on when there is no GPU; fail clearly when it is too late."""
-    if torch.cuda.is_available() or interpreting():
-        return
-    if "triton" in sys.modules:
-        raise RuntimeError(_HELP)
-    os.environ["TRITON_INTERPRET"] = "1"
+def interpret_plain_kernels() -> None:
+    """On a machine without a CUDA GPU, set `TRITON_INTERPRET=1` for this process, so that kernels defined
+    from now on with a plain `@triton.jit` (a notebook's, fla's) run through the interpreter. kda_edu's own
+    kernels do not need it; on a GPU machine this does nothing."""
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def check_device(x: torch.Tensor, name: str = "q") -> None:
@@ -72,9 +121,9 @@ def check_device(x: torch.Tensor, name: str = "q") -> None:
     if interpreting():
         if x.device.type != "cpu":
             raise ValueError(
-                f"{name} is on {x.device}, but Triton runs kernels through its CPU interpreter here "
-                "(TRITON_INTERPRET=1): pass CPU tensors, or start Python without TRITON_INTERPRET=1 to compile "
-                "the kernels for the GPU"
+                f"{name} is on {x.device}, but kda_edu's Triton kernels run through Triton's CPU interpreter here "
+                "(no CUDA GPU, or TRITON_INTERPRET=1 at start-up): pass CPU tensors, or start Python without "
+                "TRITON_INTERPRET=1 on a GPU machine to compile the kernels for the GPU"
             )
         return
     if x.device.type != "cuda":
@@ -88,3 +137,7 @@ def check_device(x: torch.Tensor, name: str = "q") -> None:
             f"{name} is bfloat16, which this GPU (compute capability {major}.{minor}) cannot run in the kernels "
             "(it needs 8.0 or newer): pass float16 or float32 tensors"
         )
+
+
+if INTERPRET and isinstance(tl.standard.sum, JITFunction):
+    _interpret_triton_language()

@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda_edu.kernels._backend import jit
 from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     CHUNK,
     DIAG_LIMIT,
@@ -94,7 +95,7 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
 )
 
 
-@triton.jit
+@jit
 def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.constexpr):
     """Backward of the diagonal blocks of both Gram matrices (A: rows beta k; Aqk: rows scale q; columns k),
     for masked dA and dQ: returns d(beta k), d(scale q) and the column-side dk of the two together.
@@ -128,7 +129,7 @@ def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.cons
     return da_kk, da_qk, db
 
 
-@triton.jit
+@jit
 def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
     """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t)."""
     k_a = load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
@@ -138,7 +139,7 @@ def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
     return k_a, qs_a, g_a, beta_a
 
 
-@triton.jit
+@jit
 def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Place a [BC, BK] block as rows a*BC .. a*BC + BC - 1 of a zero [NB*BC, BK] tile."""
     rows = tl.arange(0, NB * BC)
@@ -146,7 +147,7 @@ def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr)
     return tl.where((rows // BC == a)[:, None], rep, 0.0)
 
 
-@triton.jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT"])
 def _states_kernel(
     w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
     offsets,  # varlen only: int32 [N + 1] first chunk of each sequence
@@ -184,7 +185,7 @@ def _states_kernel(
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo.to(kd_n.dtype), input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT"])
 def _dstates_kernel(
     qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0,  # dh: dS per chunk; dvn: dU per chunk (float32)
     chunks, offsets,  # varlen only: the chunk table and first chunk of each sequence
@@ -233,7 +234,7 @@ def _dstates_kernel(
         tl.store(dh0 + s_off, dS, mask=s_mask)
 
 
-@triton.jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT"])
 def _local_v_kernel(
     q, k, v, g, beta, do,  # inputs and dO
     u, w, x, h, vn, dh, dvn,  # recomputed intermediates
@@ -341,7 +342,7 @@ def _local_v_kernel(
         tl.store(dAqk + m_off, tl.where(rows[:, None] >= rows[None, :], dM_qk, 0.0))
 
 
-@triton.jit
+@jit
 def _sum_shares(p, offs, stride, N: tl.constexpr):
     """The sum of N float32 shares of one tile, `stride` elements apart (the key blocks' shares of dA)."""
     x = tl.load(p + offs)
@@ -350,7 +351,7 @@ def _sum_shares(p, offs, stride, N: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT"])
 def _local_k_kernel(
     q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
     dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)

@@ -32,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_edu.kernels._backend import check_device, interpreting
+from kda_edu.kernels._backend import check_device, interpreting, jit
 from kda_edu.ops._checks import check_kda_inputs, resolve_scale
 
 __all__ = ["fused_recurrent_kda"]
 
 
-@triton.jit
+@jit
 def _fused_recurrent_kda_kernel(
     q_ptr,
     k_ptr,

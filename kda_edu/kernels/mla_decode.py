@@ -33,12 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_edu.kernels._backend import check_device, interpreting
+from kda_edu.kernels._backend import check_device, interpreting, jit
 
 __all__ = ["mla_absorbed_attention", "combine_splits", "default_splits"]
 
 
-@triton.jit
+@jit
 def _mla_absorbed_kernel(
     q_ptr,
     cache_ptr,

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kda_edu.kernels._backend import check_backend, use_triton
+from kda_edu.backend import check_backend, use_triton
 from kda_edu.ops._checks import compute_dtype
 from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.ops.kda import kda_chunked, kda_step

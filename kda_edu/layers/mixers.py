@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from kda_edu.kernels._backend import check_backend, use_triton
+from kda_edu.backend import check_backend, use_triton
 from kda_edu.layers.ffn import SwiGLU
 from kda_edu.layers.kda_layer import GatedRMSNorm, KDAConfig, KDALayer, ShortConv, init_gate_parameters
 from kda_edu.models.model import Block

@@ -26,13 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_edu.kernels import _backend
-
-_backend.configure()  # the interpreter on a CPU, before Triton is imported (also when run as a script)
-
-from kda_edu.kernels import chunk_kda, fused_recurrent_kda  # noqa: E402
-from kda_edu.ops.chunkwise import kda_chunked_matmul  # noqa: E402
-from kda_edu.ops.kda import kda_chunked, kda_recurrent  # noqa: E402
+from kda_edu.kernels import _backend, chunk_kda, fused_recurrent_kda
+from kda_edu.ops.chunkwise import kda_chunked_matmul
+from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-4, torch.bfloat16: 1e-2}

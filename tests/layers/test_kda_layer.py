@@ -304,7 +304,7 @@ def test_full_rank_parameter_counts_match_the_module():
 
 
 def test_backend_switch_picks_the_kernels_only_where_asked_or_compiled():
-    from kda_edu.kernels._backend import use_triton
+    from kda_edu.backend import use_triton
 
     x = torch.zeros(1)
     assert not use_triton("torch", x) and use_triton("triton", x)

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/diagnostics/ -> the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # this checkout's kda_edu, and the tests' helpers
 
 from kda_edu.kernels import chunk_bwd, chunk_kda  # noqa: E402  (picks the backend before triton loads)

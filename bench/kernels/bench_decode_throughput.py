@@ -69,7 +69,7 @@ from kda_edu.models.model import HybridConfig, HybridLM
 PATTERNS = ("A", "KKKA", "K")
 CONTEXTS = (4096, 16384, 65536, 262144, 1048576)
 HEADROOM = 0.15  # fraction of the GPU's memory kept free beyond the weights and the budget
-DEFAULT_OUT = Path(__file__).parent / "results" / "h200_decode_throughput.json"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "h200_decode_throughput.json"
 GiB = 2**30
 
 

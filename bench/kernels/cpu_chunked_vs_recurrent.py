@@ -31,7 +31,7 @@ from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
 B, T, H, K, V = 1, 4096, 4, 64, 64
 CHUNK_SIZES = (64, 32, 16)  # 64 is kda_chunked's default and the headline number
-RESULT = Path(__file__).resolve().parent / "results" / "cpu_chunked_vs_recurrent.json"
+RESULT = Path(__file__).resolve().parents[1] / "results" / "cpu_chunked_vs_recurrent.json"
 
 
 def make_inputs(seed: int = 0) -> dict:

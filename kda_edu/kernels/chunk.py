@@ -44,12 +44,11 @@ gates at -5: float32 overflows past exp(88.7). So every split is anchored where 
     branch; it is there so that no input produces inf or NaN.
 All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 
-Why blocks of 16 and not whole-chunk tiles (bench/NOTES.md has the history): a 64 x 64 float32 tile costs 32
-registers a thread at 4 warps, and the whole-chunk inverse needs several alive at once; the earlier designs
-needed 255 registers and spilled. The 16 x 16 blocks cost many small products instead: speed now depends on
-how well those are scheduled (NOTES.md and bench/results/h200_forward.json: at (1, 8192, 32) v6 takes 1.300 ms
-against fla's 1.116 ms, 1.16x; v2 took 3.14 ms, 3.1x fla's 1.00 ms in its run). v6 still compiles to 255
-registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40.
+Why blocks of 16 and not whole-chunk tiles: a 64 x 64 float32 tile costs 32 registers a thread at 4 warps,
+and a whole-chunk inverse needs several alive at once, so such designs spill. The 16 x 16 blocks cost many
+small products instead: speed depends on how well those are scheduled. The kernel still compiles to 255
+registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40. The designs tried and their
+timings are in bench/NOTES.md; the current timings in bench/results/h200_forward.json.
 
 Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
 inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state

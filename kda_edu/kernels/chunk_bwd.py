@@ -459,8 +459,7 @@ def chunk_kda_bwd(
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
     (None: Triton's default). The defaults are the fastest of bench/kernels/tune_bwd.py's sweep on the H200
-    (bf16, (1, 8192, 32), K = V = 128; bench/results/h200_tune_bwd_fe86057.json, bench/NOTES.md): other
-    block sizes and warp counts were at least 2.9 % slower, and lk_stages changed nothing beyond 0.5 %.
+    (bench/NOTES.md has the sweep and its numbers).
 
     With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
     B, T, H, K = q.shape

@@ -136,7 +136,7 @@ def load_benchmark():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "bench_decode_throughput.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "bench_decode_throughput.py"
     spec = importlib.util.spec_from_file_location("bench_decode_throughput", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

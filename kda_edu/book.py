@@ -1,6 +1,11 @@
-"""Helpers the notebooks use to show the library's code and to build explorers.
+"""The book's helpers, for the notebooks (not part of the library): show the source of what a chapter runs,
+build explorers, and read the committed benchmark results.
 
-The book never pastes code: it imports ``kda_edu`` and shows the source of what it runs.
+The book never pastes code: it imports ``kda_edu`` and shows the source of what it runs. Results of runs the
+chapters cannot repeat on a CPU (H200 benchmarks, long sweeps) are committed to ``bench/results/`` of the
+repository; ``bench_result`` reads them from the checkout this package was imported from (a clone or an
+editable install; the Colab set-up cell clones the repository); a package installed without the repository
+gets None.
 """
 
 import inspect

@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/diagnostics/ -> the repository
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # bench/diagnostics/ -> the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # this checkout's kda_edu, and the tests' helpers
 
-from kda_edu.kernels import chunk_bwd, chunk_kda  # noqa: E402  (picks the backend before triton loads)
+from kda_edu.kernels import chunk_bwd, chunk_kda  # noqa: E402  (after the sys.path set-up above)
 
 KERNEL_OUTPUTS = {  # kernel name in chunk_bwd -> the arguments it writes (captured right after its launch)
     "_chunk_prepare_kernel": ("w", "u", "qg", "kd", "aqk", "gl", "x_inv"),

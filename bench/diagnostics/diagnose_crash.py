@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/diagnostics/ -> the repository
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # bench/diagnostics/ -> the repository
 # Shape B,T,H,HV,K,V : dtype : fwd (forward only) or bwd (forward + backward).
 CASES = [
     "8,64,2,2,64,64:bf16:fwd",  # the failing GPU test case, forward only

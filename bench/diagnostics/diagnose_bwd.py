@@ -26,7 +26,8 @@ import sys
 
 import torch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # bench/diagnostics/ -> the repository
+# this file is bench/diagnostics/<name>.py: the repository is two folders up
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # this checkout's kda_edu, and the tests' helpers
 
 from kda_edu.kernels import chunk_bwd, chunk_kda  # noqa: E402  (after the sys.path set-up above)

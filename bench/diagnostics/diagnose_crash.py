@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # bench/diagnostics/ -> the repository
+# this file is bench/diagnostics/<name>.py: the repository is two folders up
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # Shape B,T,H,HV,K,V : dtype : fwd (forward only) or bwd (forward + backward).
 CASES = [
     "8,64,2,2,64,64:bf16:fwd",  # the failing GPU test case, forward only

@@ -28,7 +28,8 @@ import torch
 
 # this file is bench/diagnostics/<name>.py: the repository is two folders up
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # this checkout's kda_edu, and the tests' helpers
+# this checkout's kda_edu, and the tests' helpers
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "kernels")]
 
 from kda_edu.kernels import chunk_bwd, chunk_kda  # noqa: E402  (after the sys.path set-up above)
 

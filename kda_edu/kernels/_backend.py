@@ -121,7 +121,7 @@ def check_device(x: torch.Tensor, name: str = "q") -> None:
     if interpreting():
         if x.device.type != "cpu":
             raise ValueError(
-                f"{name} is on {x.device}, but kda_edu's Triton kernels run through Triton's CPU interpreter here "
+                f"{name} is on {x.device}, but Triton runs kernels through its CPU interpreter here "
                 "(no CUDA GPU, or TRITON_INTERPRET=1 at start-up): pass CPU tensors, or start Python without "
                 "TRITON_INTERPRET=1 on a GPU machine to compile the kernels for the GPU"
             )

@@ -4,7 +4,7 @@ What it measures. One layer of Kimi Linear 48B's widths (`kda_edu.models.costs.K
 latent 512 plus the kept 64-wide rope slot; KDA 32 heads of 128; d_model 2304), bf16, batch 1. For n in
 {64, 512, 4096} appended tokens and S in {32768, 131072} cached ones:
 
-- "mha": `kda_edu.chapters.ch13_inference.mla_append(..., "mha")`: every cached latent expanded into per-head keys and
+- "mha": `kda_edu.models.serving.mla_append(..., "mha")`: every cached latent expanded into per-head keys and
   values, then PyTorch's fused attention with a lower-right causal mask;
 - "mqa": `mla_append(..., "mqa")`: absorbed queries over the cached rows in the Triton kernel of
   `kda_edu.kernels.mla_decode`;
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from kda_edu.chapters.ch13_inference import mla_append
 from kda_edu.layers.kda_layer import KDAConfig, KDALayer
 from kda_edu.layers.mla import MLA, MLAConfig
 from kda_edu.models.costs import KIMI_LINEAR_48B, kda_token_cost, mla_token_cost
+from kda_edu.models.serving import mla_append
 
 FILENAME = "h200_append_prefill.json"
 APPENDED = (64, 512, 4096)

@@ -4,7 +4,7 @@ What it measures. Three 8-layer models of Kimi Linear's widths (d_model 2304; ML
 32 heads, latent 512 plus the kept 64-wide rope slot, 576 cached numbers per token; KDA 32 heads of 128,
 lower-bounded gate; vocabulary 32000; a small dense feed-forward layer, since the mixers are what is
 compared), bf16: all-MLA ("A"), the 3:1 hybrid ("KKKA") and all-KDA ("K"). Each decodes through
-`kda_edu.chapters.ch13_inference.ServingDecoder`: preallocated pools, absorbed MLA in the split-context Triton kernel, KDA in
+`kda_edu.models.serving.ServingDecoder`: preallocated pools, absorbed MLA in the split-context Triton kernel, KDA in
 `fused_recurrent_kda` with state indices, one CUDA graph per batch size. For each context S (`--contexts`,
 default 4K, 16K, 64K, 256K, 1M) and two batches (1, and the largest that fits the free memory, capped at
 `--max-batch`), the pools are filled with random numbers as if S tokens had been prefilled (decoding time
@@ -39,10 +39,11 @@ from pathlib import Path
 
 import torch
 
-from kda_edu.chapters.ch13_inference import ServingDecoder, decode_bytes_per_step
+from kda_edu.chapters.ch13_inference import decode_bytes_per_step
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
 from kda_edu.models.model import HybridConfig, HybridLM
+from kda_edu.models.serving import ServingDecoder
 
 PATTERNS = ("A", "KKKA", "K")
 CONTEXTS = (4096, 16384, 65536, 262144, 1048576)

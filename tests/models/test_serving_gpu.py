@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kda_edu.chapters.ch13_inference import ServingDecoder
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig, mla_absorbed_reference
 from kda_edu.models.model import HybridConfig, HybridLM
+from kda_edu.models.serving import ServingDecoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

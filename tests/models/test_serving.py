@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kda_edu.chapters.ch13_inference import ServingDecoder
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
 from kda_edu.models.model import HybridConfig, HybridLM
+from kda_edu.models.serving import ServingDecoder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run where the backend does
 
@@ -150,8 +150,8 @@ def test_fused_recurrent_state_indices_update_only_their_rows():
 def test_append_into_preallocated_rows_equals_the_layer(mode, kernels):
     """`mla_append` of 5 tokens after 7 equals the reference layer over all 12 (float32; MHA through SDPA,
     MQA through the kernel under the interpreter or the PyTorch reference: 1e-5), and writes the new rows."""
-    from kda_edu.chapters.ch13_inference import mla_append
     from kda_edu.layers.mla import MLA
+    from kda_edu.models.serving import mla_append
 
     torch.manual_seed(0)
     layer = MLA(16, CONFIG.mla).to(DEVICE).eval()

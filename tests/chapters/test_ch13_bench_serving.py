@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels"
 
 
 def run_smoke(script: str, out: Path, monkeypatch) -> dict:

@@ -56,3 +56,18 @@ def explore(function, **controls):
     import ipywidgets
 
     return ipywidgets.interactive(function, **controls)
+
+
+def glue(name: str, value):
+    """Hand ``value`` to the page's text, where ``{glue:text}`name``` (or ``name:.2f``) prints it, and return it.
+
+    The book's build (myst-nb) substitutes the value into the prose, so a number the text quotes is the
+    number the cell computed, never typed. Outside the build (Colab, a plain Jupyter) myst-nb is absent and
+    the markdown shows the role unrendered; the value is still returned for the cell's own checks.
+    """
+    try:
+        from myst_nb import glue as myst_glue
+    except ImportError:
+        return value
+    myst_glue(name, value, display=False)
+    return value

@@ -106,6 +106,22 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+class OperationCount(TorchDispatchMode):
+    """Inside `with OperationCount() as c:`, count the PyTorch (ATen) operations dispatched, in `c.count`.
+
+    Each is one call into PyTorch with a fixed cost that does not depend on its size (a few microseconds on a
+    CPU, a kernel launch on a GPU); views and allocations count too.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def peak_memory(fn, *args) -> int:
     """Peak bytes allocated by `fn(*args)` beyond what was allocated before the call.
 

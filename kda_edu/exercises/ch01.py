@@ -4,37 +4,60 @@ Each `check_*` takes the reader's answer; `None` (the placeholder in the book) o
 The worked solutions are the `solution_*` functions, shown in the book's hidden cells.
 """
 
-import math
-
 import torch
 
-from kda_edu.chapters.ch01_attention_cost import LLAMA3_8B, CacheConfig
+from kda_edu.attention import softmax_attention
+from kda_edu.attention_cost import LiveTensorBytes
 from kda_edu.exercises import expect, not_answered, passed
 from kda_edu.ops.attention import softmax_attention
 
-LLAMA3_70B = CacheConfig("Llama-3-70B", layers=80, q_heads=64, kv_heads=8, head_dim=128, bytes_per_value=2)
-H200_BYTES = 141e9  # the H200's memory, in bytes
-LLAMA3_8B_WEIGHT_BYTES = 8.03e9 * 2  # 8.03 billion parameters in bf16
+
+# Exercise 1: grouped value heads without copying the attention weights.
+def solution_grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q, k `[T, H, d]`, v `[T, HV, d_v]` with HV = G H: value head `h G + j` is mixed with the weights of
+    query/key head h. The scores and softmax are computed once per query head, `[H, T, T]`; the values are
+    viewed as `[T, H, G, d_v]`, so no `[HV, T, T]` tensor is ever made."""
+    T, H, d = q.shape
+    G = v.shape[1] // H
+    scores = torch.einsum("ihd,jhd->hij", q, k) / d**0.5  # [H, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    p = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("hij,jhgv->ihgv", p, v.view(T, H, G, -1))  # [T, H, G, d_v]
+    return out.reshape(T, H * G, -1)
 
 
-# Exercise 1: the KV cache of a larger model.
-def solution_kv_cache_gib() -> float:
-    """Bytes per token `2 L H_kv d b`, times 128K tokens, in GiB (2**30 bytes)."""
-    per_token = 2 * 80 * 8 * 128 * 2  # K and V, layers, KV heads, head dim, bytes of bf16
-    return per_token * 131072 / 2**30
-
-
-def check_kv_cache_gib(answer) -> str:
-    """Exercise 1: the KV cache of one 131072-token sequence in Llama-3-70B (LLAMA3_70B), in GiB."""
-    if answer is None:
-        return not_answered("Give the KV cache of one 131072-token sequence of LLAMA3_70B in GiB.")
-    right = LLAMA3_70B.kv_cache_bytes(131072) / 2**30
+def check_grouped_attention(fn) -> str:
+    """Exercise 1: `fn(q, k, v)` with q, k `[T, H, d]`, v `[T, HV, d_v]` (HV a multiple of H) must return
+    causal attention `[T, HV, d_v]` while allocating less than one `[HV, T, T]` float64 tensor at its peak."""
+    g = torch.Generator().manual_seed(11)
+    T, H, G, d, dv = 48, 2, 8, 8, 8
+    q, k = (torch.randn(T, H, d, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(T, H * G, dv, generator=g, dtype=torch.float64)
+    with LiveTensorBytes() as memory:
+        out = fn(q, k, v)
+    if out is None:
+        return not_answered("Make your function return the [T, HV, d_v] tensor of outputs.")
+    right = softmax_attention(q[None], k[None], v[None])[0]
     expect(
-        isinstance(answer, (int, float)) and math.isclose(answer, right, rel_tol=0.01),
-        f"{answer!r} is not it. Count the bytes per token first: a key and a value vector per layer and KV "
-        "head (not per query head), 2 bytes per number in bf16; then multiply by the tokens and divide by 2**30.",
+        isinstance(out, torch.Tensor) and out.shape == right.shape,
+        f"expected a tensor of shape {tuple(right.shape)}, got {getattr(out, 'shape', type(out).__name__)}",
     )
-    return passed(f"{right:.0f} GiB for one sequence: nearly a third of an H200's 141 GB.")
+    expect(
+        torch.allclose(out, right, atol=1e-9),
+        "the outputs differ from causal softmax attention. Value head h * G + j belongs to query/key head h "
+        "(G = HV / H consecutive value heads per query head).",
+    )
+    one_copy = H * G * T * T * 8  # one [HV, T, T] float64 tensor
+    expect(
+        memory.peak < one_copy,
+        f"right outputs, but your function allocated {memory.peak} bytes at its peak, at least one [HV, T, T] "
+        f"tensor ({one_copy} bytes): the weights are copied once per value head. View v as [T, H, G, d_v] "
+        "and let one [H, T, T] matrix of weights mix all G value heads of its query head.",
+    )
+    return passed(
+        f"peak {memory.peak} bytes, under one [HV, T, T] tensor ({one_copy}): the cost of the scores follows "
+        "the query heads, however many value heads share them."
+    )
 
 
 # Exercise 2: causal attention for one head, written with a loop over queries.
@@ -126,25 +149,43 @@ def check_attention_in_blocks(fn) -> str:
     return passed("Attention one block at a time equals the full softmax: FlashAttention's recurrence.")
 
 
-# Exercise 4: how many long sequences fit on one GPU.
-def solution_sequences_per_gpu() -> int:
-    """Memory left after the weights, divided by one 131072-token cache (131072 bytes per token), rounded down."""
-    cache = 2 * 32 * 8 * 128 * 2 * 131072
-    return int((141e9 - 8.03e9 * 2) // cache)
+# Exercise 4: decoding into a preallocated cache.
+def solution_decode_step(q_t, k_t, v_t, k_cache, v_cache, t: int) -> torch.Tensor:
+    """One decoding step for one head: write k_t, v_t `[d]`, `[d_v]` into row t of the preallocated caches
+    `[T_max, d]`, `[T_max, d_v]` (in place), then let q_t attend over rows 0..t only. Returns o_t `[d_v]`."""
+    k_cache[t] = k_t
+    v_cache[t] = v_t
+    scores = k_cache[: t + 1] @ q_t / q_t.shape[0] ** 0.5  # [t + 1]: the rows written so far, nothing after
+    return scores.softmax(dim=0) @ v_cache[: t + 1]
 
 
-def check_sequences_per_gpu(answer) -> str:
-    """Exercise 4: how many 131072-token sequences of Llama-3-8B fit in an H200 beside the bf16 weights."""
-    if answer is None:
-        return not_answered(
-            "Give the number of 131072-token Llama-3-8B caches that fit in 141e9 bytes beside 16.06e9 bytes "
-            "of weights."
+def check_decode_step(fn) -> str:
+    """Exercise 4: `fn(q_t, k_t, v_t, k_cache, v_cache, t)` must write token t into the caches it is given
+    (rows beyond t hold NaN, unwritten) and return causal attention's output for position t."""
+    g = torch.Generator().manual_seed(4)
+    T, d, dv = 12, 8, 6
+    q, k = (torch.randn(T, d, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(T, dv, generator=g, dtype=torch.float64)
+    k_cache = torch.full((T, d), float("nan"), dtype=torch.float64)  # a row not yet written is NaN
+    v_cache = torch.full((T, dv), float("nan"), dtype=torch.float64)
+    right = softmax_attention(q[None, :, None], k[None, :, None], v[None, :, None])[0, :, 0]
+    for t in range(T):
+        o_t = fn(q[t], k[t], v[t], k_cache, v_cache, t)
+        if o_t is None:
+            return not_answered("Make your function return o_t, a [d_v] tensor.")
+        expect(
+            torch.equal(k_cache[t], k[t]) and torch.equal(v_cache[t], v[t]),
+            f"after step {t} row {t} of the caches does not hold k_t and v_t: write them in place "
+            "(k_cache[t] = k_t), into the tensors you are given, instead of building new ones.",
         )
-    cache = LLAMA3_8B.kv_cache_bytes(131072)
-    right = int((H200_BYTES - LLAMA3_8B_WEIGHT_BYTES) // cache)
-    expect(
-        answer == right,
-        f"{answer!r} is not it. One sequence's cache is 2 x 32 layers x 8 KV heads x 128 x 2 bytes per token; "
-        "subtract the weights from the GPU's memory and round down.",
-    )
-    return passed(f"{right} sequences: a batch of {right} is the most one GPU can decode at this length.")
+        expect(
+            isinstance(o_t, torch.Tensor) and bool(torch.isfinite(o_t).all()),
+            f"step {t} returned a non-finite output: it read rows beyond t, which are not written yet. "
+            "Attend over k_cache[: t + 1] only.",
+        )
+        expect(
+            torch.allclose(o_t, right[t], atol=1e-9),
+            f"step {t}: the output differs from causal softmax attention at position {t}. Scale the scores "
+            "by 1/sqrt(d) and take the softmax over rows 0..t.",
+        )
+    return passed("The cache is allocated once and written in place: no copy per token, unlike torch.cat.")

@@ -7,16 +7,47 @@ from kda_edu.exercises import WrongAnswer, ch01
 
 
 def test_solutions_pass():
-    ch01.check_kv_cache_gib(ch01.solution_kv_cache_gib())
+    ch01.check_grouped_attention(ch01.solution_grouped_attention)
     ch01.check_attention_one_head(ch01.solution_attention_one_head)
     ch01.check_attention_in_blocks(ch01.solution_attention_in_blocks)
-    ch01.check_sequences_per_gpu(ch01.solution_sequences_per_gpu())
+    ch01.check_decode_step(ch01.solution_decode_step)
 
 
 def test_placeholders_are_not_checked():
-    assert ch01.check_kv_cache_gib(None).startswith("Not answered")
+    assert ch01.check_grouped_attention(lambda q, k, v: None).startswith("Not answered")
     assert ch01.check_attention_one_head(lambda q, k, v: None).startswith("Not answered")
     assert ch01.check_attention_in_blocks(lambda q, k, v, block: None).startswith("Not answered")
+    assert ch01.check_decode_step(lambda q, k, v, kc, vc, t: None).startswith("Not answered")
+
+
+def _grouped_by_copying(q, k, v):
+    # right outputs, but the weights are repeated once per value head: an [HV, T, T] tensor
+    T, H, d = q.shape
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    p = (torch.einsum("ihd,jhd->hij", q, k) / d**0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+    p = p.repeat_interleave(v.shape[1] // H, dim=0)
+    return torch.einsum("hij,jhv->ihv", p, v)
+
+
+def _grouped_wrong_pairing(q, k, v):
+    # value head j paired with query head j % H (interleaved) instead of j // G (consecutive)
+    T, H, d = q.shape
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    p = (torch.einsum("ihd,jhd->hij", q, k) / d**0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+    G = v.shape[1] // H
+    return torch.einsum("hij,jghv->ighv", p, v.view(T, G, H, -1)).reshape(T, H * G, -1)
+
+
+def _decode_reads_whole_cache(q_t, k_t, v_t, k_cache, v_cache, t):
+    k_cache[t], v_cache[t] = k_t, v_t
+    return (k_cache @ q_t / q_t.shape[0] ** 0.5).softmax(0) @ v_cache
+
+
+def _decode_own_copy(q_t, k_t, v_t, k_cache, v_cache, t):
+    # concatenates into a new tensor each step and never writes the caches it was given
+    keys = torch.cat([k_cache[:t].nan_to_num(), k_t[None]])
+    values = torch.cat([v_cache[:t].nan_to_num(), v_t[None]])
+    return (keys @ q_t / q_t.shape[0] ** 0.5).softmax(0) @ values
 
 
 def _blocks_without_rescale(q, k, v, block):
@@ -51,13 +82,14 @@ def _no_scale(q, k, v):
 @pytest.mark.parametrize(
     "check, wrong",
     [
-        (ch01.check_kv_cache_gib, 320.0),  # counted all 64 query heads instead of the 8 KV heads
-        (ch01.check_kv_cache_gib, 20.0),  # forgot the values
+        (ch01.check_grouped_attention, _grouped_by_copying),
+        (ch01.check_grouped_attention, _grouped_wrong_pairing),
         (ch01.check_attention_one_head, _no_mask),
         (ch01.check_attention_one_head, _no_scale),
         (ch01.check_attention_in_blocks, _blocks_without_rescale),
         (ch01.check_attention_in_blocks, _blocks_plain_exp),  # overflows at large scores
-        (ch01.check_sequences_per_gpu, 8),
+        (ch01.check_decode_step, _decode_reads_whole_cache),
+        (ch01.check_decode_step, _decode_own_copy),
     ],
 )
 def test_wrong_answers_are_rejected(check, wrong):

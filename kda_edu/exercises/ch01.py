@@ -6,8 +6,7 @@ The worked solutions are the `solution_*` functions, shown in the book's hidden 
 
 import torch
 
-from kda_edu.attention import softmax_attention
-from kda_edu.attention_cost import LiveTensorBytes
+from kda_edu.chapters.ch01_attention_cost import LiveTensorBytes
 from kda_edu.exercises import expect, not_answered, passed
 from kda_edu.ops.attention import softmax_attention
 

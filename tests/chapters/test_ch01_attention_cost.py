@@ -2,8 +2,8 @@
 
 import torch
 
-from kda_edu.attention_cost import LiveTensorBytes, OperationCount
-from kda_edu.linear_attention import linear_attention_recurrent
+from kda_edu.chapters.ch01_attention_cost import LiveTensorBytes, OperationCount
+from kda_edu.ops.linear_attention import linear_attention_recurrent
 
 
 def test_operation_count_counts_each_dispatched_operation():

@@ -350,7 +350,9 @@ def test_mixer_kind_kda_follows_the_same_backend_switch(monkeypatch):
     calls = []
     real = kernels.chunk_kda
     monkeypatch.setattr(kernels, "chunk_kda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    for backend, expected in (("torch", 0), ("auto", 0), ("triton", 1)):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # "auto" takes the kernels on CUDA tensors only
+    for backend, expected in (("torch", 0), ("auto", int(device == "cuda")), ("triton", 1)):
         calls.clear()
-        TokenMixer(D, MixerConfig("kda", 2, 16, chunk_size=16, backend=backend))(torch.randn(1, 5, D))
+        mixer = TokenMixer(D, MixerConfig("kda", 2, 16, chunk_size=16, backend=backend)).to(device)
+        mixer(torch.randn(1, 5, D, device=device))
         assert len(calls) == expected, backend

@@ -19,7 +19,7 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; states `
 import torch
 
 from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
 
@@ -116,18 +116,15 @@ def linear_attention_chunked(
     C = check_chunk_size(chunk_size)
     dtype = compute_dtype(q.dtype)
 
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c = to_chunks(v, C, dtype)  # [B, HV, NC, C, V]
+    q, k, v_c = chunk_inputs(q, k, v, None, None, scale=scale, chunk_size=C, dtype=dtype)[
+        :3
+    ]  # [B, HV, NC, C, *]
     i = torch.arange(C, device=q.device)
-    intra = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0) @ v_c  # parallel form in every chunk
+    scores = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0)  # parallel form in every chunk
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        o.append(q[:, :, n] @ S + intra[:, :, n])
-        S = S + k[:, :, n].transpose(-1, -2) @ v_c[:, :, n]
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    o, S = state_passing(q, k, None, scores, None, v_c, S)  # no decay, no delta rule: the chunk writes V
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)
 
 
 def decayed_linear_attention_recurrent(
@@ -193,21 +190,12 @@ def decayed_linear_attention_chunked(
     C = check_chunk_size(chunk_size)
     dtype = compute_dtype(q.dtype)
 
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c = to_chunks(v, C, dtype)  # [B, HV, NC, C, V]
-    gc = to_chunks(g, C, dtype).cumsum(dim=-1)  # [B, HV, NC, C]; padded steps have g = 0
+    # [B, HV, NC, C, *]; gc `[B, HV, NC, C]`, padded steps have g = 0
+    q, k, v_c, _, gc, _ = chunk_inputs(q, k, v, g, None, scale=scale, chunk_size=C, dtype=dtype)
     i = torch.arange(C, device=q.device)
     diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(i[:, None] < i, float("-inf"))  # [.., C, C]
-    intra = ((q @ k.transpose(-1, -2)) * diff.exp()) @ v_c
-    to_end = (gc[..., -1:] - gc).exp()  # [B, HV, NC, C]: decay from step j to the chunk's end
+    scores = (q @ k.transpose(-1, -2)) * diff.exp()
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        o.append(gc[:, :, n, :, None].exp() * (q[:, :, n] @ S) + intra[:, :, n])
-        S = (
-            gc[:, :, n, -1, None, None].exp() * S
-            + (k[:, :, n] * to_end[:, :, n, :, None]).transpose(-1, -2) @ v_c[:, :, n]
-        )
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    o, S = state_passing(q, k, gc[..., None], scores, None, v_c, S)  # one decay per step, no delta rule
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_layout, pow2, prepare_chunks
-from kda_edu.ops._chunks import to_chunks
+from kda_edu.ops._chunks import chunk_inputs
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,14 +83,10 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
     kernel never forms; only the backward's STORE_X pass does) and `rhs` = Diag(beta) [K * exp(gc), V], the
     right-hand sides whose solutions are [w, u].
     """
-    B, T, H, K = q.shape
-    HV = v.shape[2]
+    K = q.shape[3]
     scale = K**-0.5 if scale is None else scale
     f64 = torch.float64
-    q_c = to_chunks(q.repeat_interleave(HV // H, dim=2), CHUNK, f64) * scale
-    k_c = to_chunks(k.repeat_interleave(HV // H, dim=2), CHUNK, f64)
-    v_c, g_c, beta_c = (to_chunks(x, CHUNK, f64) for x in (v, g, beta))
-    gc = g_c.cumsum(dim=-2)
+    q_c, k_c, v_c, _, gc, beta_c = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, dtype=f64)
     A, aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, SUB)
     eye = torch.eye(CHUNK, dtype=f64, device=q.device)
     X = torch.linalg.inv(eye + A)

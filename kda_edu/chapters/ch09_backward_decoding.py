@@ -172,20 +172,8 @@ def kda_chunked_backward(
         Aqk = torch.einsum("...ic,...ijc,...jc->...ij", qn, Eqk, kn)
         X = torch.linalg.inv(eye + bn * Akk)
         eg, ed, gl = gc.exp(), (gc[..., -1:, :] - gc).exp(), gc[..., -1, :].exp()  # gl: exp(gc_C), [B, HV, K]
-        fwd.append(
-            dict(
-                E=E,
-                Eqk=Eqk,
-                Akk=Akk,
-                Aqk=Aqk,
-                X=X,
-                eg=eg,
-                ed=ed,
-                gl=gl,
-                u=X @ (bn * vn),
-                w=X @ (bn * kn * eg),
-            )
-        )
+        u, w = X @ (bn * vn), X @ (bn * kn * eg)
+        fwd.append(dict(E=E, Eqk=Eqk, Akk=Akk, Aqk=Aqk, X=X, eg=eg, ed=ed, gl=gl, u=u, w=w))
     S = q.new_zeros(B, HV, K, V, dtype=f64) if initial_state is None else initial_state.to(f64)
     Aqk, w, u = (torch.stack([f[name] for f in fwd], dim=2) for name in ("Aqk", "w", "u"))
     S0 = state_passing(qs, kc, gcum, Aqk, w, u, S, entering=True)[2]  # [B, HV, NC, K, V]

@@ -89,13 +89,17 @@ def state_passing(q, k, gc, Aqk, w, u, state, *, entering: bool = False):
 
     Args:
         q: scaled queries `[..., NC, C, K]`. k: keys `[..., NC, C, K]`. gc: `[..., NC, C, K or 1]` or None.
-        Aqk: `[..., NC, C, C]`. w: `[..., NC, C, K]` or None. u: `[..., NC, C, V]`. state: `[..., K, V]`.
+        Aqk: `[..., NC, C, C]`. w: `[..., NC, C, K]` or None. u: `[..., NC, C, V]`.
+        state: the state entering the first chunk `[..., K, V]`, or None for zeros; computed in u's dtype.
         entering: also return the states entering the chunks.
 
     Returns:
         `(O [..., NC, C, V], final state)`, and with `entering` the states entering the chunks
         `[..., NC, K, V]` after them.
     """
+    if state is None:
+        state = u.new_zeros(*u.shape[:-3], k.shape[-1], u.shape[-1])
+    state = state.to(u.dtype)
     reads, writes, carry = q, k.transpose(-1, -2), None
     if gc is not None:
         reads = q * gc.exp().to(q.dtype)

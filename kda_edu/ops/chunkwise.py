@@ -353,8 +353,7 @@ def kda_chunked_matmul(
     w, u = ut_transform(A, beta_c[..., None] * torch.cat([k_c * gc.exp().to(dtype), v_c], dim=-1)).split(
         [K, V], -1
     )  # (3)
-    state = q_c.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, state = state_passing(q_c, k_c, gc, Aqk, w, u, state)  # (4)
+    o, state = state_passing(q_c, k_c, gc, Aqk, w, u, initial_state)  # (4)
     return from_chunks(o, T, q.dtype), (state if output_final_state else None)
 
 

@@ -117,6 +117,5 @@ def delta_rule_chunked(
     w = torch.linalg.solve_triangular(L, beta[..., None] * k, upper=False, unitriangular=True)
     Aqk = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, S = state_passing(q, k, None, Aqk, w, u, S)  # no decay: gc = None
+    o, S = state_passing(q, k, None, Aqk, w, u, initial_state)  # no decay: gc = None
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)

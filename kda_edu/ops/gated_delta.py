@@ -123,6 +123,6 @@ def gated_delta_chunked(
     w = torch.linalg.solve_triangular(L, (beta * gc.exp())[..., None] * k, upper=False, unitriangular=True)
     Aqk = (q @ k.transpose(-1, -2)) * Gamma
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, S = state_passing(q, k, gc[..., None], Aqk, w, u, S)  # one decay per step: gc `[.., C, 1]`
+    # one decay per step: gc `[.., C, 1]`
+    o, S = state_passing(q, k, gc[..., None], Aqk, w, u, initial_state)
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)

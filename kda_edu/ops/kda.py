@@ -225,8 +225,7 @@ def kda_chunked(
     Aqk, w, u = (torch.stack(x, dim=2) for x in (Aqk, w, u))
 
     # Sequential: the values written given the incoming state, the outputs, the outgoing state.
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, S = state_passing(q, k, gc, Aqk, w, u, S)
+    o, S = state_passing(q, k, gc, Aqk, w, u, initial_state)
     o = torch.where(spoilt[..., None], math.nan, o)
     S = torch.where(spoilt[:, :, -1, -1, None, None], math.nan, S)
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)

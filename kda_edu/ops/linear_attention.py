@@ -116,14 +116,13 @@ def linear_attention_chunked(
     C = check_chunk_size(chunk_size)
     dtype = compute_dtype(q.dtype)
 
-    q, k, v_c = chunk_inputs(q, k, v, None, None, scale=scale, chunk_size=C, dtype=dtype)[
-        :3
-    ]  # [B, HV, NC, C, *]
+    # [B, HV, NC, C, *]
+    q, k, v_c, _, _, _ = chunk_inputs(q, k, v, None, None, scale=scale, chunk_size=C, dtype=dtype)
     i = torch.arange(C, device=q.device)
     scores = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0)  # parallel form in every chunk
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, S = state_passing(q, k, None, scores, None, v_c, S)  # no decay, no delta rule: the chunk writes V
+    # no decay (gc = None) and no delta rule (w = None): the chunk writes its values V
+    o, S = state_passing(q, k, None, scores, None, v_c, initial_state)
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)
 
 
@@ -196,6 +195,6 @@ def decayed_linear_attention_chunked(
     diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(i[:, None] < i, float("-inf"))  # [.., C, C]
     scores = (q @ k.transpose(-1, -2)) * diff.exp()
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, S = state_passing(q, k, gc[..., None], scores, None, v_c, S)  # one decay per step, no delta rule
+    # one decay per step (gc `[.., C, 1]`), no delta rule (w = None): the chunk writes its values V
+    o, S = state_passing(q, k, gc[..., None], scores, None, v_c, initial_state)
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)

@@ -83,15 +83,13 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
     kernel never forms; only the backward's STORE_X pass does) and `rhs` = Diag(beta) [K * exp(gc), V], the
     right-hand sides whose solutions are [w, u].
     """
-    K = q.shape[3]
-    scale = K**-0.5 if scale is None else scale
     f64 = torch.float64
     q_c, k_c, v_c, _, gc, beta_c = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, dtype=f64)
     A, aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, SUB)
     eye = torch.eye(CHUNK, dtype=f64, device=q.device)
     X = torch.linalg.inv(eye + A)
     rhs = beta_c[..., None] * torch.cat([k_c * gc.exp(), v_c], dim=-1)
-    w, u = ut_transform(A, rhs).split([K, v.shape[3]], -1)
+    w, u = ut_transform(A, rhs).split([k.shape[3], v.shape[3]], -1)
     gc_end = gc[..., -1:, :]
     return dict(
         w=w, u=u, qg=q_c * gc.exp(), kd=k_c * (gc_end - gc).exp(), aqk=aqk, gl=gc_end.squeeze(-2).exp(),

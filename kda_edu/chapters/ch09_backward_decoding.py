@@ -155,9 +155,8 @@ def kda_chunked_backward(
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     scale, C, f64 = resolve_scale(scale, K), chunk_size, torch.float64
     rep = HV // H  # value heads per query/key head
-    qs, kc, vc, _, gcum, bc = chunk_inputs(
-        q, k, v, g, beta, scale=scale, chunk_size=C, dtype=f64
-    )  # [B, HV, NC, C, *]
+    # [B, HV, NC, C, *]
+    qs, kc, vc, _, gcum, bc = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=C, dtype=f64)
     bc, doc = bc[..., None], to_chunks(do, C, f64)
     NC = qs.shape[2]
     eye = torch.eye(C, dtype=f64, device=q.device)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kda_edu.ops._checks import clamp_gates
+from kda_edu.ops._checks import check_chunk_size, clamp_gates, compute_dtype, resolve_scale
 
 
 def to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -51,19 +51,23 @@ def chunk_inputs(
     g: torch.Tensor | None,
     beta: torch.Tensor | None,
     *,
-    scale: float,
+    scale: float | None,
     chunk_size: int,
-    dtype: torch.dtype,
     resets: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Chunks:
-    """The preamble of every chunked form: validated inputs (`[B, T, ...]`) -> `Chunks` in `dtype`.
+    """The preamble of every chunked form: inputs `[B, T, ...]` that passed `check_kda_inputs` -> `Chunks`.
 
-    q and k are repeated to the HV value heads (value head j reads key head `j // (HV // H)`) and q is
-    multiplied by `scale`. `gc` is the cumulative log decay within each chunk, in [C * min(g), 0]. With
-    `resets`, gates at or below `kda_edu.ops._checks.GATE_FLOOR` are first raised to it (a reset down to
-    -inf decays exactly as before, but gc stays finite) and gc is summed in float64, so that the sums of
-    resets do not round (see `kda_edu.ops.kda.kda_chunked`).
+    The tensors are in `dtype` (None: `kda_edu.ops._checks.compute_dtype` of q's, float32 or float64), so the
+    chunk size C and the compute dtype are `q.shape[3]` and `q.dtype` of the result. q and k are repeated to
+    the HV value heads (value head j reads key head `j // (HV // H)`) and q is multiplied by `scale` (None:
+    `K ** -0.5`); `chunk_size` is checked to be a positive int. `gc` is the cumulative log decay within each
+    chunk, in [C * min(g), 0]. With `resets`, gates at or below `kda_edu.ops._checks.GATE_FLOOR` are first
+    raised to it (a reset down to -inf decays exactly as before, but gc stays finite) and gc is summed in
+    float64, so that the sums of resets do not round (see `kda_edu.ops.kda.kda_chunked`).
     """
+    scale, chunk_size = resolve_scale(scale, q.shape[3]), check_chunk_size(chunk_size)
+    dtype = compute_dtype(q.dtype) if dtype is None else dtype
     rep = v.shape[2] // q.shape[2]
     q_c = to_chunks(q.repeat_interleave(rep, dim=2), chunk_size, dtype) * scale
     k_c = to_chunks(k.repeat_interleave(rep, dim=2), chunk_size, dtype)

@@ -342,13 +342,12 @@ def kda_chunked_matmul(
     Args and returns as `kda_edu.ops.kda.kda_chunked`, plus `sub_chunk` (rows per anchored block, >= 1).
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
-    scale = resolve_scale(scale, K)
-    C, c = check_chunk_size(chunk_size), check_chunk_size(sub_chunk)
-    dtype = compute_dtype(q.dtype)
+    c = check_chunk_size(sub_chunk)
     # (1) [B, HV, NC, C, *]; resets (down to -inf) at GATE_FLOOR, gc in float64: the sums of resets must not round
     q_c, k_c, v_c, g_c, gc, beta_c = chunk_inputs(
-        q, k, v, g, beta, scale=scale, chunk_size=C, dtype=dtype, resets=True
+        q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True
     )
+    dtype = q_c.dtype
     A, Aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, c, resets=g_c <= GATE_FLOOR[dtype])  # (2)
     w, u = ut_transform(A, beta_c[..., None] * torch.cat([k_c * gc.exp().to(dtype), v_c], dim=-1)).split(
         [K, V], -1

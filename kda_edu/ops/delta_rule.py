@@ -17,7 +17,7 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; beta `[B
 
 import torch
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale
 from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
@@ -102,11 +102,8 @@ def delta_rule_chunked(
         `(o, final_state)` as `delta_rule_recurrent`.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, None, beta, initial_state, gate=None)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
-    q, k, v_c, _, _, beta = chunk_inputs(q, k, v, None, beta, scale=scale, chunk_size=C, dtype=dtype)
+    q, k, v_c, _, _, beta = chunk_inputs(q, k, v, None, beta, scale=scale, chunk_size=chunk_size)
+    C, dtype = q.shape[3], q.dtype
 
     i = torch.arange(C, device=q.device)
     causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i

@@ -102,12 +102,10 @@ def dplr_chunked(q, k, v, g, a, b, scale: float = 1.0, initial_state=None, chunk
     Returns:
         `(o, S)` as `dplr_recurrent`.
     """
-    dtype = compute_dtype(q.dtype)
     B, T, H, K = q.shape
-    C = chunk_size
-    q, k, v_c, g, gc, _ = chunk_inputs(
-        q, k, v, g, None, scale=scale, chunk_size=C, dtype=dtype
-    )  # [B, H, NC, C, *]
+    # [B, H, NC, C, *]
+    q, k, v_c, g, gc, _ = chunk_inputs(q, k, v, g, None, scale=scale, chunk_size=chunk_size)
+    C, dtype = q.shape[3], q.dtype
     a, b = (to_chunks(x, C, dtype) for x in (a, b))  # [B, H, NC, C, K]
     gc_prev = gc - g  # gc_{i-1}: the decay S_{i-1} has seen since the chunk start
 

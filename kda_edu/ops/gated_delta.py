@@ -18,7 +18,7 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; g, beta 
 
 import torch
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale
 from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
@@ -106,12 +106,9 @@ def gated_delta_chunked(
         `(o, final_state)` as `gated_delta_recurrent`.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, gate="head")
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
     # [B, HV, NC, C, *]; gc: within-chunk cumulative log decay [B, HV, NC, C], in [C * min(g), 0]
-    q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=C, dtype=dtype)
+    q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
+    C, dtype = q.shape[3], q.dtype
 
     i = torch.arange(C, device=q.device)
     causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale
 from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
@@ -187,14 +187,9 @@ def kda_chunked(
         final_state `[B, HV, K, V]` in float32 (float64 for float64 inputs) or None.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
     # [B, HV, NC, C, *]; gates raised to GATE_FLOOR and gc summed in float64 within each chunk (docstring)
-    q, k, v_c, _, gc, beta = chunk_inputs(
-        q, k, v, g, beta, scale=scale, chunk_size=C, dtype=dtype, resets=True
-    )
+    q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True)
+    C, dtype = q.shape[3], q.dtype
     # A step with a non-finite key or value runs as a zero step; the outputs from it on are set to NaN
     # afterwards, and so is the final state. Multiplying by the zeros of the causal masks would instead
     # spread its NaN to the earlier steps of its chunk (0 * NaN = NaN).

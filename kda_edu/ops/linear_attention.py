@@ -18,7 +18,7 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; states `
 
 import torch
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu.ops._checks import check_kda_inputs, compute_dtype, resolve_scale
 from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
@@ -112,13 +112,9 @@ def linear_attention_chunked(
         `(o, final_state)` as `linear_attention_recurrent`.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, None, None, initial_state, gate=None, with_beta=False)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
     # [B, HV, NC, C, *]
-    q, k, v_c, _, _, _ = chunk_inputs(q, k, v, None, None, scale=scale, chunk_size=C, dtype=dtype)
-    i = torch.arange(C, device=q.device)
+    q, k, v_c, _, _, _ = chunk_inputs(q, k, v, None, None, scale=scale, chunk_size=chunk_size)
+    i = torch.arange(q.shape[3], device=q.device)
     scores = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0)  # parallel form in every chunk
 
     # no decay (gc = None) and no delta rule (w = None): the chunk writes its values V
@@ -185,13 +181,9 @@ def decayed_linear_attention_chunked(
     Args and returns as `decayed_linear_attention_recurrent`, plus `chunk_size`, C.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, None, initial_state, gate="head", with_beta=False)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
     # [B, HV, NC, C, *]; gc `[B, HV, NC, C]`, padded steps have g = 0
-    q, k, v_c, _, gc, _ = chunk_inputs(q, k, v, g, None, scale=scale, chunk_size=C, dtype=dtype)
-    i = torch.arange(C, device=q.device)
+    q, k, v_c, _, gc, _ = chunk_inputs(q, k, v, g, None, scale=scale, chunk_size=chunk_size)
+    i = torch.arange(q.shape[3], device=q.device)
     diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(i[:, None] < i, float("-inf"))  # [.., C, C]
     scores = (q @ k.transpose(-1, -2)) * diff.exp()
 

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_layout, pow2, prepare_chunks
-from kda_edu.ops._chunks import to_chunks
+from kda_edu.ops._chunks import chunk_inputs
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,19 +83,13 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
     kernel never forms; only the backward's STORE_X pass does) and `rhs` = Diag(beta) [K * exp(gc), V], the
     right-hand sides whose solutions are [w, u].
     """
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    scale = K**-0.5 if scale is None else scale
     f64 = torch.float64
-    q_c = to_chunks(q.repeat_interleave(HV // H, dim=2), CHUNK, f64) * scale
-    k_c = to_chunks(k.repeat_interleave(HV // H, dim=2), CHUNK, f64)
-    v_c, g_c, beta_c = (to_chunks(x, CHUNK, f64) for x in (v, g, beta))
-    gc = g_c.cumsum(dim=-2)
+    q_c, k_c, v_c, _, gc, beta_c = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, dtype=f64)
     A, aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, SUB)
     eye = torch.eye(CHUNK, dtype=f64, device=q.device)
     X = torch.linalg.inv(eye + A)
     rhs = beta_c[..., None] * torch.cat([k_c * gc.exp(), v_c], dim=-1)
-    w, u = ut_transform(A, rhs).split([K, v.shape[3]], -1)
+    w, u = ut_transform(A, rhs).split([k.shape[3], v.shape[3]], -1)
     gc_end = gc[..., -1:, :]
     return dict(
         w=w, u=u, qg=q_c * gc.exp(), kd=k_c * (gc_end - gc).exp(), aqk=aqk, gl=gc_end.squeeze(-2).exp(),

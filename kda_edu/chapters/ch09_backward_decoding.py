@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from kda_edu.ops._checks import check_kda_inputs, resolve_scale
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing, to_chunks
 
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
@@ -155,15 +155,14 @@ def kda_chunked_backward(
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     scale, C, f64 = resolve_scale(scale, K), chunk_size, torch.float64
     rep = HV // H  # value heads per query/key head
-    qs = to_chunks(q.repeat_interleave(rep, dim=2), C, f64) * scale  # [B, HV, NC, C, K]
-    kc = to_chunks(k.repeat_interleave(rep, dim=2), C, f64)
-    vc, gcum, bc = to_chunks(v, C, f64), to_chunks(g, C, f64).cumsum(-2), to_chunks(beta, C, f64)[..., None]
-    doc = to_chunks(do, C, f64)
+    # [B, HV, NC, C, *]
+    qs, kc, vc, _, gcum, bc = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=C, dtype=f64)
+    bc, doc = bc[..., None], to_chunks(do, C, f64)
     NC = qs.shape[2]
     eye = torch.eye(C, dtype=f64, device=q.device)
 
-    # Forward, keeping what the backward needs (the Triton backward recomputes it instead).
-    S = q.new_zeros(B, HV, K, V, dtype=f64) if initial_state is None else initial_state.to(f64)
+    # Forward, keeping what the backward needs (the Triton backward recomputes it instead): the matrices of
+    # each chunk, then the state pass of `kda_chunked` with the states entering the chunks.
     fwd = []
     for n in range(NC):
         qn, kn, vn, bn, gc = qs[:, :, n], kc[:, :, n], vc[:, :, n], bc[:, :, n], gcum[:, :, n]
@@ -173,9 +172,12 @@ def kda_chunked_backward(
         X = torch.linalg.inv(eye + bn * Akk)
         eg, ed, gl = gc.exp(), (gc[..., -1:, :] - gc).exp(), gc[..., -1, :].exp()  # gl: exp(gc_C), [B, HV, K]
         u, w = X @ (bn * vn), X @ (bn * kn * eg)
-        U = u - w @ S
-        fwd.append(dict(S0=S, E=E, Eqk=Eqk, Akk=Akk, Aqk=Aqk, X=X, eg=eg, ed=ed, gl=gl, u=u, w=w, U=U))
-        S = gl[..., None] * S + (kn * ed).transpose(-1, -2) @ U
+        fwd.append(dict(E=E, Eqk=Eqk, Akk=Akk, Aqk=Aqk, X=X, eg=eg, ed=ed, gl=gl, u=u, w=w))
+    S = q.new_zeros(B, HV, K, V, dtype=f64) if initial_state is None else initial_state.to(f64)
+    Aqk, w, u = (torch.stack([f[name] for f in fwd], dim=2) for name in ("Aqk", "w", "u"))
+    S0 = state_passing(qs, kc, gcum, Aqk, w, u, S, entering=True)[2]  # [B, HV, NC, K, V]
+    for n, f in enumerate(fwd):
+        f.update(S0=S0[:, :, n], U=f["u"] - f["w"] @ S0[:, :, n])  # the values chunk n wrote
 
     # Backward, last chunk first.
     dS = torch.zeros_like(S) if dht is None else dht.to(f64)

@@ -6,8 +6,9 @@
 - why a parallel scan is the wrong fix: `parallel_scan`, `compose_affine`, `kda_scan`, `scan_flops`;
 - the WY representation and the UT transform: `transition_product`, `forward_substitution`, `ut_transform`;
 - the chunkwise KDA in matrix-product form, stage by stage, with sub-chunk anchors that keep every exponent
-  bounded: `intra_chunk_matrices`, `state_passing`, `kda_chunked_matmul` (with `sub_chunk=chunk_size` it is
-  the naive factorisation that overflows);
+  bounded: `intra_chunk_matrices`, then `kda_chunked_matmul` (with `sub_chunk=chunk_size` it is the naive
+  factorisation that overflows); its stage 4 is the state pass that every chunked form shares,
+  `kda_edu.ops._chunks.state_passing`;
 - the numerics: `largest_exponent`, `plot_exponent_budget`.
 
 Layout as everywhere in kda_edu: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g `[B, T, HV, K]` (log decay, <= 0);
@@ -24,11 +25,10 @@ from kda_edu.ops._checks import (
     GATE_FLOOR,
     check_chunk_size,
     check_kda_inputs,
-    clamp_gates,
     compute_dtype,
     resolve_scale,
 )
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 
 # ---------------------------------------------------------------------------------------------------------
 # Inputs and timing
@@ -314,26 +314,6 @@ def intra_chunk_matrices(
     return beta[..., None] * A.tril(-1), Aqk.tril()
 
 
-def state_passing(q, k, gc, Aqk, w, u, state):
-    """Run the chunks in order: the only sequential part. Chunk tensors are `[..., NC, C, *]`.
-
-    With S the state entering a chunk:
-        U   = u - w S                               the values the chunk actually writes
-        O   = (Q * exp(gc)) S + Aqk U               read the old state, plus the chunk's own writes
-        S  <- Diag(exp(gc_C)) S + (K * exp(gc_C - gc))^T U
-    Every exponent here is <= 0: gc is non-increasing within a chunk.
-    """
-    reads = q * gc.exp().to(q.dtype)  # exponents in gc's dtype, rounded after exp (kda_chunked_matmul)
-    writes = (k * (gc[..., -1:, :] - gc).exp().to(k.dtype)).transpose(-1, -2)
-    carry = gc[..., -1, :, None].exp().to(state.dtype)
-    outputs = []
-    for n in range(q.shape[-3]):
-        U = u[..., n, :, :] - w[..., n, :, :] @ state
-        outputs.append(reads[..., n, :, :] @ state + Aqk[..., n, :, :] @ U)
-        state = carry[..., n, :, :] * state + writes[..., n, :, :] @ U
-    return torch.stack(outputs, dim=-3), state
-
-
 def kda_chunked_matmul(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -362,21 +342,17 @@ def kda_chunked_matmul(
     Args and returns as `kda_edu.ops.kda.kda_chunked`, plus `sub_chunk` (rows per anchored block, >= 1).
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
-    scale = resolve_scale(scale, K)
-    C, c = check_chunk_size(chunk_size), check_chunk_size(sub_chunk)
-    dtype = compute_dtype(q.dtype)
-    q_c = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k_c = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)
-    v_c, g_c, beta_c = (to_chunks(x, C, dtype) for x in (v, g, beta))
-
-    g_c = clamp_gates(g_c)  # resets (down to -inf) at GATE_FLOOR: -inf - (-inf) would be NaN
-    gc = g_c.double().cumsum(dim=-2)  # (1) in float64: the sums of resets (~-105 each) must not round
+    c = check_chunk_size(sub_chunk)
+    # (1) [B, HV, NC, C, *]; resets (down to -inf) at GATE_FLOOR, gc in float64: the sums of resets must not round
+    q_c, k_c, v_c, g_c, gc, beta_c = chunk_inputs(
+        q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True
+    )
+    dtype = q_c.dtype
     A, Aqk = intra_chunk_matrices(q_c, k_c, gc, beta_c, c, resets=g_c <= GATE_FLOOR[dtype])  # (2)
     w, u = ut_transform(A, beta_c[..., None] * torch.cat([k_c * gc.exp().to(dtype), v_c], dim=-1)).split(
         [K, V], -1
     )  # (3)
-    state = q_c.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o, state = state_passing(q_c, k_c, gc, Aqk, w, u, state)  # (4)
+    o, state = state_passing(q_c, k_c, gc, Aqk, w, u, initial_state)  # (4)
     return from_chunks(o, T, q.dtype), (state if output_final_state else None)
 
 

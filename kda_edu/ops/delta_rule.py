@@ -17,8 +17,8 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; beta `[B
 
 import torch
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
 
@@ -102,13 +102,8 @@ def delta_rule_chunked(
         `(o, final_state)` as `delta_rule_recurrent`.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, None, beta, initial_state, gate=None)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c, beta = to_chunks(v, C, dtype), to_chunks(beta, C, dtype)  # [B, HV, NC, C, V], [B, HV, NC, C]
+    q, k, v_c, _, _, beta = chunk_inputs(q, k, v, None, beta, scale=scale, chunk_size=chunk_size)
+    C, dtype = q.shape[3], q.dtype
 
     i = torch.arange(C, device=q.device)
     causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i
@@ -119,10 +114,5 @@ def delta_rule_chunked(
     w = torch.linalg.solve_triangular(L, beta[..., None] * k, upper=False, unitriangular=True)
     Aqk = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        U = u[:, :, n] - w[:, :, n] @ S  # values written in chunk n: [B, HV, C, V]
-        o.append(q[:, :, n] @ S + Aqk[:, :, n] @ U)
-        S = S + k[:, :, n].transpose(-1, -2) @ U
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    o, S = state_passing(q, k, None, Aqk, w, u, initial_state)  # no decay: gc = None
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)

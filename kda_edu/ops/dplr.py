@@ -18,7 +18,7 @@ key head), states `[B, H, K, V]`; computed in float64 for float64 inputs, float3
 import torch
 
 from kda_edu.ops._checks import compute_dtype
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, to_chunks
 
 
 def kda_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -102,13 +102,11 @@ def dplr_chunked(q, k, v, g, a, b, scale: float = 1.0, initial_state=None, chunk
     Returns:
         `(o, S)` as `dplr_recurrent`.
     """
-    dtype = compute_dtype(q.dtype)
     B, T, H, K = q.shape
-    C = chunk_size
-    q, k, a, b, g = (to_chunks(x, C, dtype) for x in (q, k, a, b, g))  # [B, H, NC, C, K]
-    v_c = to_chunks(v, C, dtype)  # [B, H, NC, C, V]
-    q = q * scale
-    gc = g.cumsum(dim=-2)
+    # [B, H, NC, C, *]
+    q, k, v_c, g, gc, _ = chunk_inputs(q, k, v, g, None, scale=scale, chunk_size=chunk_size)
+    C, dtype = q.shape[3], q.dtype
+    a, b = (to_chunks(x, C, dtype) for x in (a, b))  # [B, H, NC, C, K]
     gc_prev = gc - g  # gc_{i-1}: the decay S_{i-1} has seen since the chunk start
 
     strict, causal = _pairwise_decay(gc, gc_prev, strict=True), _pairwise_decay(gc, gc, strict=False)

@@ -18,8 +18,8 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; g, beta 
 
 import torch
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
 
@@ -106,14 +106,9 @@ def gated_delta_chunked(
         `(o, final_state)` as `gated_delta_recurrent`.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, gate="head")
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C], [.., C]
-    gc = g.cumsum(dim=-1)  # within-chunk cumulative log decay, in [C * min(g), 0]
+    # [B, HV, NC, C, *]; gc: within-chunk cumulative log decay [B, HV, NC, C], in [C * min(g), 0]
+    q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
+    C, dtype = q.shape[3], q.dtype
 
     i = torch.arange(C, device=q.device)
     causal, strict = i[:, None] >= i, i[:, None] > i  # [C, C]: j <= i, j < i
@@ -125,14 +120,6 @@ def gated_delta_chunked(
     w = torch.linalg.solve_triangular(L, (beta * gc.exp())[..., None] * k, upper=False, unitriangular=True)
     Aqk = (q @ k.transpose(-1, -2)) * Gamma
 
-    q_decayed = q * gc.exp()[..., None]  # reads S_0 through exp(gc_i) <= 1
-    k_decayed = k * (gc[..., -1:] - gc).exp()[..., None]  # carries step i to the chunk end
-    chunk_decay = gc[..., -1].exp()  # [B, HV, NC]
-
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        U = u[:, :, n] - w[:, :, n] @ S  # values written in chunk n: [B, HV, C, V]
-        o.append(q_decayed[:, :, n] @ S + Aqk[:, :, n] @ U)
-        S = chunk_decay[:, :, n, None, None] * S + k_decayed[:, :, n].transpose(-1, -2) @ U
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    # one decay per step: gc `[.., C, 1]`
+    o, S = state_passing(q, k, gc[..., None], Aqk, w, u, initial_state)
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)

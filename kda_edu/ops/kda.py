@@ -22,8 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, clamp_gates, compute_dtype, resolve_scale
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
 SUB_BLOCK = 16  # rows per sub-block inside a chunk, see _decayed_scores
@@ -187,44 +187,43 @@ def kda_chunked(
         final_state `[B, HV, K, V]` in float32 (float64 for float64 inputs) or None.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c, g, beta = (to_chunks(x, C, dtype) for x in (v, g, beta))  # [.., C, V], [.., C, K], [.., C]
-    g = clamp_gates(g).double()  # resets (down to -inf) at GATE_FLOOR; exponents in float64 (docstring)
+    # [B, HV, NC, C, *]; gates raised to GATE_FLOOR and gc summed in float64 within each chunk (docstring)
+    q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True)
+    C, dtype = q.shape[3], q.dtype
     # A step with a non-finite key or value runs as a zero step; the outputs from it on are set to NaN
-    # afterwards, and so is the state after its chunk. Multiplying by the zeros of the causal masks would
-    # instead spread its NaN to the earlier steps of the chunk (0 * NaN = NaN).
+    # afterwards, and so is the final state. Multiplying by the zeros of the causal masks would instead
+    # spread its NaN to the earlier steps of its chunk (0 * NaN = NaN).
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v_c).all(-1))  # [B, HV, NC, C]
     k, v_c = (torch.where(bad[..., None], 0.0, x) for x in (k, v_c))
-    spoilt = bad.cumsum(dim=-1) > 0  # from the first bad step of the chunk on
+    spoilt = bad.flatten(-2).cumsum(dim=-1).unflatten(-1, bad.shape[-2:]) > 0  # from the first bad step on
     i = torch.arange(C, device=q.device)
     eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        q_n, k_n, v_n, beta_n = q[:, :, n], k[:, :, n], v_c[:, :, n], beta[:, :, n, :, None]  # [B, HV, C, .]
-        gc = g[:, :, n].cumsum(dim=-2)  # within-chunk cumulative log decay, in [C * min(g), 0]; float64
-        decay_in, decay_out = gc.exp().to(dtype), (gc[..., -1:, :] - gc).exp().to(dtype)  # from start, to end
-
-        # Independent of S (a kernel does this for all chunks in parallel): the decayed scores, the UT
-        # transform (I + A)^-1 Diag(beta) as a triangular solve, and from it u and w.
-        Akk, Aqk = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc)  # x = k for A, x = q for Aqk
+    # Independent of the state (a kernel does this for all chunks in parallel; here one chunk at a time bounds
+    # the memory of the decayed scores): the scores, the UT transform (I + A)^-1 Diag(beta) as a triangular
+    # solve, and from it u and w.
+    Aqk, w, u = [], [], []
+    for n in range(q.shape[2]):  # the NC chunks
+        q_n, k_n, v_n, beta_n, gc_n = (
+            q[:, :, n],
+            k[:, :, n],
+            v_c[:, :, n],
+            beta[:, :, n, :, None],
+            gc[:, :, n],
+        )
+        Akk, Aqk_n = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc_n)  # x = k for A, x = q for Aqk
         L = eye + beta_n * Akk.masked_fill(not_below, 0)  # I + A, A strictly lower triangular
-        u = torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(L, beta_n * k_n * decay_in, upper=False, unitriangular=True)
+        decay_in = gc_n.exp().to(dtype)  # from the chunk start, <= 1
+        Aqk.append(Aqk_n)
+        u.append(torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True))
+        w.append(torch.linalg.solve_triangular(L, beta_n * k_n * decay_in, upper=False, unitriangular=True))
+    Aqk, w, u = (torch.stack(x, dim=2) for x in (Aqk, w, u))
 
-        # Sequential: the values written given the incoming state, the outputs, the outgoing state.
-        U = u - w @ S  # [B, HV, C, V]
-        o_n = (q_n * decay_in) @ S + Aqk @ U
-        o.append(torch.where(spoilt[:, :, n, :, None], math.nan, o_n))
-        S = decay_in[..., -1, :, None] * S + (k_n * decay_out).transpose(-1, -2) @ U
-        S = torch.where(spoilt[:, :, n, -1, None, None], math.nan, S)
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    # Sequential: the values written given the incoming state, the outputs, the outgoing state.
+    o, S = state_passing(q, k, gc, Aqk, w, u, initial_state)
+    o = torch.where(spoilt[..., None], math.nan, o)
+    S = torch.where(spoilt[:, :, -1, -1, None, None], math.nan, S)
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)
 
 
 def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:

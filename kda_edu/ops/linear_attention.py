@@ -18,8 +18,8 @@ Layout: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a multiple of H; states `
 
 import torch
 
-from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
-from kda_edu.ops._chunks import from_chunks, to_chunks
+from kda_edu.ops._checks import check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 from kda_edu.ops.recurrence import general_recurrence
 
 
@@ -112,22 +112,14 @@ def linear_attention_chunked(
         `(o, final_state)` as `linear_attention_recurrent`.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, None, None, initial_state, gate=None, with_beta=False)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
+    # [B, HV, NC, C, *]
+    q, k, v_c, _, _, _ = chunk_inputs(q, k, v, None, None, scale=scale, chunk_size=chunk_size)
+    i = torch.arange(q.shape[3], device=q.device)
+    scores = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0)  # parallel form in every chunk
 
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c = to_chunks(v, C, dtype)  # [B, HV, NC, C, V]
-    i = torch.arange(C, device=q.device)
-    intra = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] < i, 0) @ v_c  # parallel form in every chunk
-
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        o.append(q[:, :, n] @ S + intra[:, :, n])
-        S = S + k[:, :, n].transpose(-1, -2) @ v_c[:, :, n]
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    # no decay (gc = None) and no delta rule (w = None): the chunk writes its values V
+    o, S = state_passing(q, k, None, scores, None, v_c, initial_state)
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)
 
 
 def decayed_linear_attention_recurrent(
@@ -189,25 +181,12 @@ def decayed_linear_attention_chunked(
     Args and returns as `decayed_linear_attention_recurrent`, plus `chunk_size`, C.
     """
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, None, initial_state, gate="head", with_beta=False)
-    scale = resolve_scale(scale, K)
-    C = check_chunk_size(chunk_size)
-    dtype = compute_dtype(q.dtype)
-
-    q = to_chunks(q.repeat_interleave(HV // H, dim=2), C, dtype) * scale  # [B, HV, NC, C, K]
-    k = to_chunks(k.repeat_interleave(HV // H, dim=2), C, dtype)  # [B, HV, NC, C, K]
-    v_c = to_chunks(v, C, dtype)  # [B, HV, NC, C, V]
-    gc = to_chunks(g, C, dtype).cumsum(dim=-1)  # [B, HV, NC, C]; padded steps have g = 0
-    i = torch.arange(C, device=q.device)
+    # [B, HV, NC, C, *]; gc `[B, HV, NC, C]`, padded steps have g = 0
+    q, k, v_c, _, gc, _ = chunk_inputs(q, k, v, g, None, scale=scale, chunk_size=chunk_size)
+    i = torch.arange(q.shape[3], device=q.device)
     diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(i[:, None] < i, float("-inf"))  # [.., C, C]
-    intra = ((q @ k.transpose(-1, -2)) * diff.exp()) @ v_c
-    to_end = (gc[..., -1:] - gc).exp()  # [B, HV, NC, C]: decay from step j to the chunk's end
+    scores = (q @ k.transpose(-1, -2)) * diff.exp()
 
-    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for n in range(q.shape[2]):  # the NC chunks, in order
-        o.append(gc[:, :, n, :, None].exp() * (q[:, :, n] @ S) + intra[:, :, n])
-        S = (
-            gc[:, :, n, -1, None, None].exp() * S
-            + (k[:, :, n] * to_end[:, :, n, :, None]).transpose(-1, -2) @ v_c[:, :, n]
-        )
-    return from_chunks(torch.stack(o, dim=2), T, v.dtype), (S if output_final_state else None)
+    # one decay per step (gc `[.., C, 1]`), no delta rule (w = None): the chunk writes its values V
+    o, S = state_passing(q, k, gc[..., None], scores, None, v_c, initial_state)
+    return from_chunks(o, T, v.dtype), (S if output_final_state else None)

@@ -223,13 +223,21 @@ def decode_throughput(
 
 
 def mla_append_seconds(
-    layer, history: int, appended: int, mode: str, batch: int = 1, repeats: int = 3
+    layer, history: int, appended: int, mode: str, batch: int = 1, repeats: int = 3, threads: int | None = None
 ) -> float:
     """Seconds for one MLA layer to append `appended` tokens to a cache of `history` latents, in `mode`.
 
-    The cache is reset to the same `history` random latents before every run; the fastest run counts.
+    The cache is reset to the same `history` random latents before every run; the fastest run counts. On the
+    CPU, `threads` sets PyTorch's thread count for the timing (None: leave it alone); it is restored after.
     """
     param = next(layer.parameters())
+    if threads is not None and param.device.type == "cpu":
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return mla_append_seconds(layer, history, appended, mode, batch, repeats, threads=None)
+        finally:
+            torch.set_num_threads(before)
     generator = torch.Generator(device=param.device).manual_seed(0)
     base = torch.randn(
         batch, history, layer.config.cache_width, generator=generator, device=param.device, dtype=param.dtype

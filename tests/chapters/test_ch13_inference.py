@@ -58,6 +58,20 @@ def test_decode_throughput_and_append_timing_run():
     assert mla_append_seconds(layer, 20, 3, "mqa", repeats=1) > 0
 
 
+def test_append_timing_pins_and_restores_the_thread_count():
+    """threads=1 runs the timing on one thread (checked from inside the layer) and leaves the setting as it was."""
+    layer = MLA(16, CONFIG.mla)
+    seen = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert mla_append_seconds(layer, 20, 3, "mqa", repeats=2, threads=1) > 0
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_max_batch_counts_caches_and_the_step():
     per_seq = sum(cache_bytes(CONFIG, 100, dtype_bytes=2).values())
     assert max_batch(CONFIG, 100, 10 * per_seq + 1, include_step=False) == 10

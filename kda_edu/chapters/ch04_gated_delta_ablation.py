@@ -46,25 +46,37 @@ def run_heads(
     """
     B, T, _, V = v.shape
     G = len(gates)
-    g = torch.tensor(gates, dtype=torch.float32)[None, None, :, None].expand(B, T, G, 1)
-    b = torch.full((B, T, G), float(beta))
+    g = torch.tensor(gates, dtype=v.dtype, device=v.device)[None, None, :, None].expand(B, T, G, 1)
+    b = torch.full((B, T, G), float(beta), dtype=v.dtype, device=v.device)
     return general_recurrence(q, k, v.expand(B, T, G, V), g, b, delta_rule=delta_rule, scale=1.0)[0]
 
 
-def rewrite_task(n_rewrites: int = 16, fillers: int = 8, dim: int = 32, batch: int = 64, seed: int = 0):
-    """Chapter 3's rewrite stream as `(q, k, v, target, steps)`: the read at the end of the last block."""
-    q, k, v, latest = overwrite_stream(n_rewrites, fillers, dim, batch, seed)
+def rewrite_task(
+    n_rewrites: int = 16, fillers: int = 8, dim: int = 32, batch: int = 64, seed: int = 0, device="cpu"
+):
+    """Chapter 3's rewrite stream as `(q, k, v, target, steps)`: the read at the end of the last block.
+
+    The stream is drawn on the CPU (the same numbers on every machine) and moved to `device`.
+    """
+    q, k, v, latest = (x.to(device) for x in overwrite_stream(n_rewrites, fillers, dim, batch, seed))
     T = q.shape[1]
     return q, k, v, latest, [T - 1]
 
 
 def document_task(
-    n_old: int = 128, n_new: int = 8, dim: int = 32, batch: int = 64, query_noise: float = 0.5, seed: int = 0
+    n_old: int = 128,
+    n_new: int = 8,
+    dim: int = 32,
+    batch: int = 64,
+    query_noise: float = 0.5,
+    seed: int = 0,
+    device="cpu",
 ):
     """Chapter 4's document stream as `(q, k, v, target, steps)`: the final state is read with noisy queries.
 
     q is each pair of the current document's key plus `query_noise` times a random unit vector, renormalised;
-    q and target are `[B, n_new, 1, dim]`; steps is None (read the final state, see `ablation`).
+    q and target are `[B, n_new, 1, dim]`; steps is None (read the final state, see `ablation`). Drawn on the
+    CPU and moved to `device`, as `rewrite_task`.
     """
     k, v = document_stream(n_old, n_new, dim, batch=batch, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -72,7 +84,7 @@ def document_task(
     noise = noise / noise.norm(dim=-1, keepdim=True)
     q = k[:, n_old:] + query_noise * noise
     q = q / q.norm(dim=-1, keepdim=True)
-    return q, k, v, v[:, n_old:], None
+    return q.to(device), k.to(device), v.to(device), v[:, n_old:].to(device), None
 
 
 def ablation(task: tuple, grid: list[float]) -> dict[str, dict]:
@@ -96,13 +108,13 @@ def ablation(task: tuple, grid: list[float]) -> dict[str, dict]:
         if steps is None:
             B, T, _, V = v.shape
             G = len(gates)
-            g = torch.tensor(gates)[None, None, :, None].expand(B, T, G, 1)
+            g = torch.tensor(gates, dtype=v.dtype, device=v.device)[None, None, :, None].expand(B, T, G, 1)
             _, S = general_recurrence(
                 k,
                 k,
                 v.expand(B, T, G, V),
                 g,
-                torch.ones(B, T, G),
+                torch.ones(B, T, G, dtype=v.dtype, device=v.device),
                 delta_rule=spec["delta_rule"],
                 scale=1.0,
                 output_final_state=True,

@@ -67,3 +67,16 @@ def test_ablation_reports_each_model_at_its_best_gate():
 def test_ablation_rejects_positive_gates():
     with pytest.raises(ValueError, match="grid"):
         ablate.ablation(ablate.rewrite_task(n_rewrites=2, fillers=1, dim=4, batch=2), [0.1])
+
+
+@pytest.mark.parametrize("make", [ablate.rewrite_task, ablate.document_task])
+def test_tasks_and_heads_run_on_the_requested_device(make):
+    """Tasks land on `device` and the models' gates follow their inputs there (chapter 4 runs them on a GPU).
+
+    The "meta" device stands in for a GPU: it computes shapes only, and mixing it with CPU tensors raises, as
+    mixing CUDA and CPU tensors does.
+    """
+    q, k, v, target, steps = make(dim=4, batch=2, device="meta")
+    assert {t.device.type for t in (q, k, v, target)} == {"meta"}
+    o = ablate.run_heads(k, k, v, [0.0, -0.1], delta_rule=True)  # the document task reads with fewer queries
+    assert o.device.type == "meta" and o.shape == (*v.shape[:2], 2, v.shape[-1])

@@ -9,8 +9,8 @@ For each entry of `kda_edu.chapters.ch08_chunk_kernel.LADDER` (v0 first, the pro
      unit roundoff 4.9e-4; the reference runs on the same rounded inputs). A version that fails is not timed.
   2. time its launcher with `triton.testing.do_bench` (median) at (B, T, H) = (1, 8192, 32) and (8, 4096, 16),
      bfloat16, K = V = 128, on the inputs of bench/kernels/bench_kda.py (HV = H, gates in [-5, 0] in float32).
-Writes `$OUT/h200_ch08_ladder.json` (or --out) and prints a table. About a minute on an H200, most of it
-compiling.
+Writes `$OUT/h200_ch08_ladder.json` (or --out) and prints a table. Expected to take about a minute on an
+H200, most of it compiling (not yet run there; the timed calls are bounded by do_bench's 100 ms budget each).
 
     OUT=bench/results python bench/kernels/bench_ch08_ladder.py
 """

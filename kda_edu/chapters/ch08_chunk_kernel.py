@@ -11,6 +11,9 @@
 - `design_traffic` and `design_flops` count what the two kernels move and compute per token and head.
 - `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
   `kda_edu.book.bench_result`).
+- `LADDER` lists the versions of the forward the chapter builds, from `ch08_chunk_v0` to the kernels of
+  `kda_edu.kernels.chunk`, each with its launcher and what it changed; bench/kernels/bench_ch08_ladder.py
+  checks and times every entry.
 """
 
 import math
@@ -18,9 +21,28 @@ import math
 import torch
 import triton
 
-from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_layout, pow2, prepare_chunks
+from kda_edu.chapters.ch08_chunk_v0 import v0_forward
+from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_kda_fwd, chunk_layout, pow2, prepare_chunks
 from kda_edu.ops._chunks import chunk_inputs
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
+
+# ---------------------------------------------------------------------------------------------------------
+# The ladder: every version of the forward, in the order the chapter builds them
+
+# name -> (launcher, what this version changed). Every launcher takes validated inputs
+# (q, k, v, g, beta, scale, initial_state, output_final_state) and returns (o, final_state).
+LADDER = {
+    "v0": (
+        v0_forward,
+        "one program per chunk holds all 64 rows; A and Aqk one key channel at a time with whole pairwise "
+        "decays; (I + L)^-1 by 64-row forward substitution; one program per head carries the whole state",
+    ),
+    "chunk_kda": (
+        chunk_kda_fwd,
+        "kda_edu.kernels.chunk: 16 x 16 blocks with anchored decays as tensor-core products, block forward "
+        "substitution, 16-bit intermediates, the state split over blocks of value columns",
+    ),
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # The two kernels, one at a time

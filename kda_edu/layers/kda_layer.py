@@ -389,6 +389,11 @@ class KDALayer(nn.Module):
     def _prefill(self, q, k, v, g, beta, initial_state, output_final_state, varlen=None):
         """The chunked form: Triton's `chunk_kda` (forward and backward) when the backend says so, else
         PyTorch's `kda_chunked` (once per sequence for packed sequences, `varlen`)."""
+        if q.shape[1] == 0:  # no token (an all-padding batch): every sequence keeps the state it starts from
+            N = q.shape[0] if varlen is None else len(varlen[1]) - 1
+            if initial_state is None:
+                initial_state = q.new_zeros(N, *g.shape[2:], v.shape[3], dtype=compute_dtype(q.dtype))
+            return v.new_zeros(v.shape), initial_state if output_final_state else None
         if use_triton(self.config.backend, q):
             from kda_edu.kernels import chunk_kda  # imported on use: `import kda_edu` never imports Triton
 

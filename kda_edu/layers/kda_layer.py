@@ -397,7 +397,7 @@ class KDALayer(nn.Module):
         if use_triton(self.config.backend, q):
             from kda_edu.kernels import chunk_kda  # imported on use: `import kda_edu` never imports Triton
 
-            dtype = q.dtype if self.config.kernel_dtype is None else getattr(torch, self.config.kernel_dtype)
+            dtype = self._kernel_dtype(q)
             o, state = chunk_kda(  # g and beta are in range by construction: no value check (a host sync)
                 q.to(dtype),
                 k.to(dtype),
@@ -443,8 +443,20 @@ class KDALayer(nn.Module):
         if not needs_grad and use_triton(self.config.backend, q):
             from kda_edu.kernels import fused_recurrent_kda
 
-            return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+            dtype = self._kernel_dtype(q)
+            o, state = fused_recurrent_kda(
+                *(t.to(dtype) for t in (q, k, v)),
+                g,
+                beta,
+                initial_state=state.float(),  # the kernel keeps its state in float32
+                output_final_state=True,
+            )
+            return o.to(q.dtype), state
         return kda_step(q, k, v, g, beta, state)
+
+    def _kernel_dtype(self, q: torch.Tensor) -> torch.dtype:
+        """The dtype q, k and v are cast to for the Triton kernels (`KDAConfig.kernel_dtype`)."""
+        return q.dtype if self.config.kernel_dtype is None else getattr(torch, self.config.kernel_dtype)
 
 
 def _last_inputs(x: torch.Tensor, cu_seqlens: list[int], n: int) -> torch.Tensor:

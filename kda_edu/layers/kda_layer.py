@@ -317,7 +317,8 @@ class KDALayer(nn.Module):
             raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
         if attention_mask is not None and cache is not None and cache.seq_len > 0:
             S = cache.seq_len
-            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape[-1] not in (T, S + T):
+            mask_ok = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            if not mask_ok or attention_mask.shape[-1] not in (T, S + T):
                 raise ValueError(
                     f"with a cache of S = {S} tokens, attention_mask must be [B, T] or [B, S + T] = "
                     f"({B}, {S + T}), got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}"

@@ -204,3 +204,14 @@ def test_model_logits_of_an_all_padding_batch_are_zero():
     model = HybridLM(config)
     logits = model(torch.randint(0, 50, (2, 3)), attention_mask=torch.zeros(2, 3, dtype=torch.long))
     assert logits.shape == (2, 3, 50) and (logits == 0).all()
+
+
+def test_a_mask_of_the_wrong_rank_beside_a_filled_cache_is_named():
+    layer, x = _kda(), torch.randn(2, 4, D)
+    cache = layer.new_cache()
+    layer(x[:, :3], cache=cache)
+    for mask in (torch.ones(4, dtype=torch.long), torch.ones(2, 1, 4, dtype=torch.long)):
+        with pytest.raises(
+            ValueError, match=r"with a cache of S = 3 tokens, attention_mask must be \[B, T\] or"
+        ):
+            layer(x[:, 3:], cache=cache, attention_mask=mask)

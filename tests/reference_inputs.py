@@ -145,7 +145,7 @@ def edge_case(name: str, with_state: bool) -> dict:
     return dict(B=B, T=T, H=H, HV=HV, K=K, V=V, chunk_size=C, with_state=with_state, seed=seed)
 
 
-# Bad cu_seqlens for T = 4 with the error each must raise (fused_recurrent_kda and chunk_kda share the check).
+# Bad cu_seqlens for T = 4 with the error each must raise (the kernels share `kda_edu.ops.varlen.check_cu_seqlens`).
 BAD_CU_SEQLENS = [
     ([1, 2, 4], ValueError, "start at 0 and end at T = 4"),
     ([0, 2, 3], ValueError, "start at 0 and end at T = 4"),

@@ -71,6 +71,7 @@ import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
 from kda_edu.ops._checks import GATE_FLOOR, check_kda_inputs, resolve_scale
+from kda_edu.ops.varlen import check_cu_seqlens
 
 CHUNK = 64  # steps per chunk (C)
 SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
@@ -597,7 +598,7 @@ def chunk_kda(
         `(o, final_state)`: o `[B, T, HV, V]` in q's dtype; final_state `[B, HV, K, V]` (`[N, HV, K, V]` with
         cu_seqlens) float32, or None.
     """
-    from kda_edu.kernels.fused_recurrent import check_varlen_state, validate_cu_seqlens
+    from kda_edu.kernels.fused_recurrent import check_varlen_state
 
     B, T, H, HV, K, V = check_kda_inputs(
         q, k, v, g, beta, initial_state if cu_seqlens is None else None, check_values=False
@@ -610,7 +611,7 @@ def chunk_kda(
         )
     check_device(q)
     if cu_seqlens is not None:
-        N = validate_cu_seqlens(cu_seqlens, B, T, q.device)
+        N = len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
         cu_seqlens = cu_seqlens.contiguous()  # the scan kernel reads it through its pointer
         if initial_state is not None:
             check_varlen_state(initial_state, N, HV, K, V, q.device)

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
 from kda_edu.ops._checks import check_kda_inputs, resolve_scale
+from kda_edu.ops.varlen import check_cu_seqlens
 
 __all__ = ["fused_recurrent_kda"]
 
@@ -137,29 +138,6 @@ def default_config(K: int, V: int, n_states: int, device: torch.device) -> tuple
     while BV > 16 and triton.cdiv(V, BV) * n_states < 4 * _sm_count(device):
         BV //= 2
     return BV, 4
-
-
-def validate_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int, device: torch.device) -> int:
-    """Check FlashAttention-style cumulative lengths; return the number of sequences N."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with N + 1 >= 2 entries [0, ..., T], got shape {tuple(cu_seqlens.shape)}"
-        )
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, but the inputs are on {device}")
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B = {B}")
-    # One small device-to-host copy; it is what makes a bad cu_seqlens an error, not a bad read.
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != T:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu[0]} ... {cu[-1]}")
-    if any(cu[i + 1] < cu[i] for i in range(len(cu) - 1)):
-        raise ValueError(f"cu_seqlens must be nondecreasing, got {cu}")
-    return len(cu) - 1
 
 
 def check_varlen_state(initial_state, N: int, HV: int, K: int, V: int, device: torch.device) -> None:
@@ -295,7 +273,7 @@ def fused_recurrent_kda(
     if cu_seqlens is None:
         N = B
     else:
-        N = validate_cu_seqlens(cu_seqlens, B, T, q.device)
+        N = len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
         cu_seqlens = cu_seqlens.contiguous()
         if initial_state is not None and not pooled:
             check_varlen_state(initial_state, N, HV, K, V, q.device)

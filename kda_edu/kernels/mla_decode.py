@@ -176,8 +176,14 @@ def mla_absorbed_attention(
             f"cache must be [P, L_max, D] with q's D = {D} and 1 <= value_dim <= D, got "
             f"{tuple(cache.shape)}, value_dim = {value_dim}"
         )
+    if cache.device != q.device:
+        raise ValueError(f"cache [P, L_max, D] must be on q's device ({q.device}), got {cache.device}")
     if not cache.is_contiguous():
         raise ValueError("cache must be contiguous (the kernel addresses its rows directly)")
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
+    ):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     for name, t in (("slots", slots), ("lengths", lengths)):
         if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,) or t.device != q.device:
             raise ValueError(

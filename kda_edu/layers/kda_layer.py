@@ -317,7 +317,8 @@ class KDALayer(nn.Module):
             raise ValueError("pass attention_mask (padded batch) or cu_seqlens (packed batch), not both")
         if attention_mask is not None and cache is not None and cache.seq_len > 0:
             S = cache.seq_len
-            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape[-1] not in (T, S + T):
+            mask_ok = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            if not mask_ok or attention_mask.shape[-1] not in (T, S + T):
                 raise ValueError(
                     f"with a cache of S = {S} tokens, attention_mask must be [B, T] or [B, S + T] = "
                     f"({B}, {S + T}), got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
@@ -389,10 +390,15 @@ class KDALayer(nn.Module):
     def _prefill(self, q, k, v, g, beta, initial_state, output_final_state, varlen=None):
         """The chunked form: Triton's `chunk_kda` (forward and backward) when the backend says so, else
         PyTorch's `kda_chunked` (once per sequence for packed sequences, `varlen`)."""
+        if q.shape[1] == 0:  # no token (an all-padding batch): every sequence keeps the state it starts from
+            N = q.shape[0] if varlen is None else len(varlen[1]) - 1
+            if initial_state is None:
+                initial_state = q.new_zeros(N, *g.shape[2:], v.shape[3], dtype=compute_dtype(q.dtype))
+            return v.new_zeros(v.shape), initial_state if output_final_state else None
         if use_triton(self.config.backend, q):
             from kda_edu.kernels import chunk_kda  # imported on use: `import kda_edu` never imports Triton
 
-            dtype = q.dtype if self.config.kernel_dtype is None else getattr(torch, self.config.kernel_dtype)
+            dtype = self._kernel_dtype(q)
             o, state = chunk_kda(  # g and beta are in range by construction: no value check (a host sync)
                 q.to(dtype),
                 k.to(dtype),
@@ -438,8 +444,20 @@ class KDALayer(nn.Module):
         if not needs_grad and use_triton(self.config.backend, q):
             from kda_edu.kernels import fused_recurrent_kda
 
-            return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+            dtype = self._kernel_dtype(q)
+            o, state = fused_recurrent_kda(
+                *(t.to(dtype) for t in (q, k, v)),
+                g,
+                beta,
+                initial_state=state.float(),  # the kernel keeps its state in float32
+                output_final_state=True,
+            )
+            return o.to(q.dtype), state
         return kda_step(q, k, v, g, beta, state)
+
+    def _kernel_dtype(self, q: torch.Tensor) -> torch.dtype:
+        """The dtype q, k and v are cast to for the Triton kernels (`KDAConfig.kernel_dtype`)."""
+        return q.dtype if self.config.kernel_dtype is None else getattr(torch, self.config.kernel_dtype)
 
 
 def _last_inputs(x: torch.Tensor, cu_seqlens: list[int], n: int) -> torch.Tensor:

@@ -181,9 +181,8 @@ class MLA(nn.Module):
                 return repad(self(packed, mode=mode, cu_seqlens=cu), indices, B, T)
             cu = check_cu_seqlens(cu_seqlens, B, T, x.device)
             # Attention never crosses a sequence boundary: each sequence is its own call.
-            return torch.cat(
-                [self(x[:, a:b], mode=mode) for a, b in zip(cu[:-1], cu[1:], strict=True) if b > a], 1
-            )
+            parts = [self(x[:, a:b], mode=mode) for a, b in zip(cu[:-1], cu[1:], strict=True) if b > a]
+            return torch.cat(parts, 1) if parts else self(x, mode=mode)  # no token at all: T = 0
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be a tensor of shape [B, T, D] with D = {self.d_model}, got {shape}")

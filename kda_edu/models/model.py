@@ -399,7 +399,7 @@ class HybridLM(nn.Module):
             raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
         eos = self._check_special_ids(eos_token_id, pad_token_id)
         if max_new_tokens == 0:
-            return input_ids
+            return input_ids.clone()  # a tensor of its own, as every other call returns
         pad = None if eos is None else (eos[0] if pad_token_id is None else pad_token_id)
         tokens = [input_ids]
         cache = self.new_cache()

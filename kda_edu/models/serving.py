@@ -115,9 +115,9 @@ class ServingDecoder:
             )
         if not self.free:
             raise RuntimeError(f"all {self.max_seqs} rows are in use: release a sequence first")
-        slot, T = self.free.pop(0), prompt.numel()
-        cache = self.model.new_cache()
-        logits = self.model(prompt[None], cache=cache)[0, -1]
+        T, cache = prompt.numel(), self.model.new_cache()
+        logits = self.model(prompt[None], cache=cache)[0, -1]  # may raise: take the row only after it
+        slot = self.free.pop(0)
         for pool, layer in zip(self.pools, cache.layers, strict=True):
             if "latent" in pool:
                 pool["latent"][slot, :T] = layer.latent[0]

@@ -18,7 +18,8 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> list[i
     """Check FlashAttention-style cumulative lengths for x `[B, T, ...]`; return them as a list of ints.
 
     Raises a TypeError or ValueError naming `cu_seqlens` when it is not an int32/int64 1-D tensor on x's device
-    that starts at 0, ends at T and never decreases, or when B != 1 (sequences are packed along T).
+    that starts at 0, ends at T and never decreases, or when B != 1 (sequences are packed along T). The one
+    check of the package: the layers, the model and the Triton kernels (`kda_edu.kernels`) all call it.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor [N + 1], got {type(cu_seqlens).__name__}")
@@ -32,6 +33,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device: torch.device) -> list[i
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, but the inputs are on {device}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B = {B}")
+    # One small device-to-host copy; it is what makes a bad cu_seqlens an error, not a bad read in a kernel.
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu[0]} ... {cu[-1]}")

@@ -356,3 +356,28 @@ def test_mixer_kind_kda_follows_the_same_backend_switch(monkeypatch):
         mixer = TokenMixer(D, MixerConfig("kda", 2, 16, chunk_size=16, backend=backend)).to(device)
         mixer(torch.randn(1, 5, D, device=device))
         assert len(calls) == expected, backend
+
+
+def test_kernel_dtype_reaches_the_decoding_step_too():
+    """kernel_dtype casts q, k and v for every Triton kernel: a float64 layer with kernel_dtype="float32"
+    decodes through fused_recurrent_kda from an empty cache and after a chunk_kda prefill, and agrees with the
+    float64 PyTorch path to float32 rounding (1e-5 relative; the kernels compute in float32)."""
+    kernel_layer = make_layer(seed=8, backend="triton", kernel_dtype="float32").double().to(DEVICE)
+    reference = make_layer(seed=8, backend="torch").double().to(DEVICE)
+    torch.manual_seed(9)
+    x = torch.randn(2, 5, D, dtype=torch.float64, device=DEVICE)
+    expected = reference(x)
+    with torch.no_grad():
+        cache = kernel_layer.new_cache()
+        one_by_one = torch.cat([kernel_layer(x[:, t : t + 1], cache=cache) for t in range(5)], dim=1)
+        cache = kernel_layer.new_cache()
+        after_prefill = torch.cat(
+            [kernel_layer(x[:, :3], cache=cache)]
+            + [kernel_layer(x[:, t : t + 1], cache=cache) for t in (3, 4)],
+            dim=1,
+        )
+    for got in (one_by_one, after_prefill):
+        assert got.dtype == torch.float64
+        assert (got - expected).norm() <= 1e-5 * expected.norm(), (
+            (got - expected).norm() / expected.norm()
+        ).item()

@@ -262,3 +262,15 @@ def test_generate_stops_early_when_every_sequence_has_ended():
         model.generate(prompts, max_new_tokens=2, eos_token_id=VOCAB)
     with pytest.raises(ValueError, match="pad_token_id needs an eos_token_id"):
         model.generate(prompts, max_new_tokens=2, pad_token_id=0)
+
+
+def test_generate_returns_a_new_tensor_even_with_no_new_token():
+    """max_new_tokens = 0 gives the prompts, as a tensor of its own like every other call: writing into the
+    result leaves the caller's prompts as they were."""
+    model = make_model(seed=3)
+    prompts = ids(2, 4, seed=6)
+    kept = prompts.clone()
+    out = model.generate(prompts, max_new_tokens=0)
+    assert torch.equal(out, kept)
+    out.add_(1)
+    assert torch.equal(prompts, kept)

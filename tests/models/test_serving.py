@@ -100,6 +100,16 @@ def test_pools_are_preallocated_and_bad_use_is_named():
         ServingDecoder(lm, 1, 4, cuda_graph=True)
 
 
+def test_a_prompt_the_model_refuses_takes_no_row():
+    """A prefill that raises (a token id outside the vocabulary) leaves the rows as they were: the one free
+    row still takes the next prompt."""
+    decoder = ServingDecoder(model(torch.float32).cpu(), max_seqs=1, max_len=8, cuda_graph=False)
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        decoder.add(torch.tensor([1, CONFIG.vocab_size]))
+    slot, _ = decoder.add(torch.tensor([1, 2]))
+    assert slot == 0
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_mla_decode_kernel_equals_the_reference_in_any_split(splits):
     """The split-context kernel (CPU interpreter, float32) against the gathering PyTorch reference, two

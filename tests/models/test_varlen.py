@@ -165,3 +165,53 @@ def test_packed_prefill_into_an_empty_cache_decodes_the_sequences_as_a_batch():
     layer(x[:, :2], cache=used)
     with pytest.raises(ValueError, match="cu_seqlens starts new sequences"):
         layer(x, cache=used, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("make", [_kda, _mla], ids=["kda", "mla"])
+def test_a_batch_without_tokens_gives_zeros(make):
+    """Every row padding (or every packed sequence empty) is a batch like any other: zeros at the padding,
+    nothing at all for T = 0; the empty sequences change nothing, as in a batch that has tokens."""
+    layer = make().double()
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    y = layer(x, attention_mask=torch.zeros(2, 4, dtype=torch.long))
+    assert y.shape == (2, 4, D) and (y == 0).all()
+    empty = layer(x[:1, :0], cu_seqlens=torch.tensor([0, 0, 0], dtype=torch.int32))
+    assert empty.shape == (1, 0, D)
+
+
+def test_an_all_padding_prefill_leaves_every_row_at_its_start():
+    """Prefilling an all-padding batch into an empty cache: each row's state and window are those of an empty
+    sequence, so the next token decodes as if it were the first (float64: rounding only)."""
+    layer = _kda().double()
+    torch.manual_seed(6)
+    x, nxt = torch.randn(2, 4, D, dtype=torch.float64), torch.randn(2, 1, D, dtype=torch.float64)
+    cache, mask = layer.new_cache(), torch.zeros(2, 4, dtype=torch.long)
+    layer(x, cache=cache, attention_mask=mask)
+    got = layer(nxt, cache=cache, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1))
+    torch.testing.assert_close(got, layer(nxt), rtol=1e-10, atol=1e-10)
+
+
+def test_model_logits_of_an_all_padding_batch_are_zero():
+    torch.manual_seed(7)
+    config = HybridConfig(
+        vocab_size=50,
+        d_model=D,
+        n_layers=2,
+        layer_pattern="KA",
+        kda=KDAConfig(num_heads=2, head_dim=8, chunk_size=4),
+        mla=MLAConfig(num_heads=2, kv_rank=12, qk_head_dim=8, v_head_dim=8),
+    )
+    model = HybridLM(config)
+    logits = model(torch.randint(0, 50, (2, 3)), attention_mask=torch.zeros(2, 3, dtype=torch.long))
+    assert logits.shape == (2, 3, 50) and (logits == 0).all()
+
+
+def test_a_mask_of_the_wrong_rank_beside_a_filled_cache_is_named():
+    layer, x = _kda(), torch.randn(2, 4, D)
+    cache = layer.new_cache()
+    layer(x[:, :3], cache=cache)
+    for mask in (torch.ones(4, dtype=torch.long), torch.ones(2, 1, 4, dtype=torch.long)):
+        with pytest.raises(
+            ValueError, match=r"with a cache of S = 3 tokens, attention_mask must be \[B, T\] or"
+        ):
+            layer(x[:, 3:], cache=cache, attention_mask=mask)

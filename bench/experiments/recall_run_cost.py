@@ -1,0 +1,164 @@
+"""What a recall-sweep run pays besides its training steps: one process per run against persistent workers.
+
+    python bench/experiments/recall_run_cost.py --preset cpu --steps 20 --runs 4            # this CPU
+    python bench/experiments/recall_run_cost.py --preset gpu --steps 60 --runs 4 --budget-s 150   # one H200
+
+Trains the same few runs of a chapter 12 preset (its model and recipe, `--steps` steps instead of the preset's)
+twice through `RunPool` with one worker: "old", a fresh process per run (`runs_per_worker=1`, what the sweep did
+before), and "new", one worker for all of them. For every run it records the wall time from submission to
+result (`wall`) and the training loop's own time (`train`, the run's `seconds`: Triton's first-call work
+happens inside it); `wall - train` is the start-up, model building and held-out sampling. The per-run fixed
+cost of a fresh process is the difference between the modes. Both modes train the same specs, so the script also
+reports the largest relative difference of their held-out losses (0 expected: same operations, same data).
+On a CUDA machine with the Triton backend the kernels are compiled once first (`warm_up_kernels`, as the
+sweep does), and that time is reported too.
+
+Writes `recall_run_cost.json` to `--out` (default `$OUT`, else bench/results) and prints a summary.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, run_specs, warm_up_kernels
+
+
+def preset_with_steps(name: str, steps: int) -> dict:
+    """`PRESETS[name]` training `steps` steps, evaluated twice (half-way and at the end)."""
+    preset = PRESETS[name]
+    train = {**preset["train"], "steps": steps, "warmup": min(preset["train"]["warmup"], steps // 4)}
+    train["eval_every"] = max(1, steps // 2)
+    return {**preset, "train": train}
+
+
+def time_mode(preset: dict, specs: list[dict], device: str, runs_per_worker, budget_end: float) -> list[dict]:
+    """Train `specs` one after another on one worker; one row per finished run."""
+    rows = []
+    with RunPool([device], threads=1, runs_per_worker=runs_per_worker) as pool:
+        for spec in specs:
+            if time.perf_counter() > budget_end:
+                break
+            pool.submit(preset, spec)
+            outcome = pool.next_result()
+            if outcome.error is not None:
+                raise RuntimeError(f"run {spec} failed:\n{outcome.error}")
+            rows.append(
+                {
+                    **spec,
+                    "wall": outcome.wall,
+                    "train": outcome.record["seconds"],
+                    "run_index": outcome.run_index,
+                    "pid": outcome.pid,
+                    "eval_loss": [h["eval_loss"] for h in outcome.record["history"]],
+                }
+            )
+            print(
+                f"  {spec['mixer']} lr={spec['lr']} seed={spec['seed']}: wall {outcome.wall:.2f} s, "
+                f"train {outcome.record['seconds']:.2f} s (run {outcome.run_index + 1} of pid {outcome.pid})",
+                flush=True,
+            )
+    return rows
+
+
+def mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=4, help="runs per mode")
+    parser.add_argument("--cell", default=None, metavar="TASK:LEN", help="default: the preset's first")
+    parser.add_argument("--mixers", nargs="+", default=None, help="default: the preset's first")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
+    parser.add_argument(
+        "--modes", nargs="+", default=["old", "new"], choices=["old", "new"], help="in this order"
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = parser.parse_args(argv)
+
+    t_start = time.perf_counter()
+    budget_end = t_start + args.budget_s if args.budget_s else float("inf")
+    preset = preset_with_steps(args.preset, args.steps)
+    specs = run_specs(preset)
+    task, seq_len = (args.cell.split(":")[0], int(args.cell.split(":")[1])) if args.cell else (None, None)
+    task = task or specs[0]["task"]
+    seq_len = seq_len or specs[0]["seq_len"]
+    mixers = args.mixers or [specs[0]["mixer"]]
+    chosen = [s for s in specs if (s["task"], s["seq_len"]) == (task, seq_len) and s["mixer"] in mixers]
+    chosen = chosen[: args.runs]
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and preset["train"].get("cuda_graph"):
+        sys.exit(f"preset {args.preset!r} replays CUDA graphs: run it on a CUDA machine")
+    result = {
+        "preset": args.preset,
+        "steps": args.steps,
+        "device": torch.cuda.get_device_name(0) if device != "cpu" else "CPU",
+        "torch": torch.__version__,
+        "specs": chosen,
+    }
+    print(
+        f"{len(chosen)} runs of {args.preset} ({task} T={seq_len}, {mixers}, {args.steps} steps) on {device}"
+    )
+    if device != "cpu" and preset["mixer"].get("backend") == "triton":
+        t0 = time.perf_counter()
+        warm_up_kernels(preset)
+        result["compile_seconds"] = time.perf_counter() - t0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for mode in args.modes:
+        runs_per_worker = {"old": 1, "new": None}[mode]
+        print(f"{mode}: runs_per_worker={runs_per_worker}", flush=True)
+        t0 = time.perf_counter()
+        rows = time_mode(preset, chosen, device, runs_per_worker, budget_end)
+        result[mode] = {"rows": rows, "total_wall": time.perf_counter() - t0}
+        (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
+
+    old, new = result.get("old", {"rows": []})["rows"], result.get("new", {"rows": []})["rows"]
+    later = [r for r in new if r["run_index"] > 0]
+    summary = {
+        "old_wall_per_run": mean([r["wall"] for r in old]),
+        "old_train_per_run": mean([r["train"] for r in old]),
+        "new_wall_per_run": mean([r["wall"] for r in new]),
+        "new_first_wall": new[0]["wall"] if new else None,
+        "new_later_wall_per_run": mean([r["wall"] for r in later]),
+        "new_later_train_per_run": mean([r["train"] for r in later]),
+        # Outside the training loop (start-up, building, sampling the held-out set, handing the record back):
+        # less sensitive than the wall time to a busy machine slowing the steps.
+        "old_outside_train_per_run": mean([r["wall"] - r["train"] for r in old]),
+        "new_later_outside_train_per_run": mean([r["wall"] - r["train"] for r in later]),
+    }
+    if old and later:
+        summary["fixed_cost_per_fresh_process"] = (
+            summary["old_outside_train_per_run"] - summary["new_later_outside_train_per_run"]
+        )
+        summary["first_steps_extra_in_a_fresh_process"] = (
+            summary["old_train_per_run"] - summary["new_later_train_per_run"]
+        )
+    pairs = [
+        (a, b)
+        for a in old
+        for b in new
+        if (a["mixer"], a["lr"], a["seed"]) == (b["mixer"], b["lr"], b["seed"])
+    ]
+    summary["max_rel_eval_loss_diff_old_vs_new"] = max(
+        (abs(x - y) / abs(x) for a, b in pairs for x, y in zip(a["eval_loss"], b["eval_loss"], strict=True)),
+        default=None,
+    )
+    result["summary"] = summary
+    result["seconds"] = time.perf_counter() - t_start
+    (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out / 'recall_run_cost.json'} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

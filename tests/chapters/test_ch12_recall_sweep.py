@@ -1,0 +1,100 @@
+"""Chapter 12's sweep machinery: persistent workers give each run the numbers it gets alone, replace a worker that
+failed or died, and the results file records what the invocations cost."""
+
+import pytest
+import torch
+
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, cost, run_specs, run_sweep
+
+
+def tiny_preset(lengths: list[int], mixers: list[str], steps: int = 6) -> dict:
+    """A few steps of chapter 12's CPU model on MQAR with 4 keys (float32, PyTorch backend)."""
+    return {
+        **PRESETS["quick"],
+        "train": {"steps": steps, "batch_size": 8, "warmup": 1, "eval_every": 3, "eval_size": 16},
+        "tasks": {"mqar": {"lengths": lengths, "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
+        "mixers": mixers,
+    }
+
+
+def curves(record: dict) -> torch.Tensor:
+    return torch.tensor([[h["train_loss"], h["eval_loss"], h["eval_acc"]] for h in record["history"]])
+
+
+def test_a_run_gives_the_same_numbers_alone_and_after_another_run_in_its_worker():
+    """DeltaNet's run trained in a fresh worker, and again in a worker that has just trained a KDA run with
+    another seed and rate. Same operations on the same data in float32 on the CPU, one thread: the curves agree
+    to 1e-6 relative (a few float32 roundings; in practice they are equal). A leaked random state or thread count
+    changes the initialisation or the summation order, and moves these losses by far more: the KDA run's
+    curves, another model and seed, differ from DeltaNet's by more than 1e-3."""
+    preset = tiny_preset([16], ["deltanet", "kda"])
+    target = {"task": "mqar", "seq_len": 16, "mixer": "deltanet", "lr": 2e-3, "seed": 0}
+    before = {"task": "mqar", "seq_len": 16, "mixer": "kda", "lr": 5e-3, "seed": 1}
+    with RunPool(["cpu"]) as pool:
+        pool.submit(preset, target)
+        alone = pool.next_result()
+    with RunPool(["cpu"]) as pool:
+        pool.submit(preset, before)
+        first = pool.next_result()
+        pool.submit(preset, target)
+        after = pool.next_result()
+    assert alone.error is None and first.error is None and after.error is None
+    assert (after.pid, after.run_index) == (first.pid, 1) and alone.pid != after.pid
+    torch.testing.assert_close(curves(after.record), curves(alone.record), rtol=1e-6, atol=0)
+    assert after.record["final_loss"] == pytest.approx(alone.record["final_loss"], rel=1e-6)
+    assert (curves(first.record) - curves(alone.record)).abs().max() > 1e-3
+
+
+def test_the_pool_replaces_a_worker_whose_run_failed_or_that_died():
+    """A run that raises (MQAR at T = 64 needs 8 keys, the preset has 4) comes back with its traceback and
+    retires its worker; the next run gets a fresh process, the one after reuses it until `runs_per_worker`;
+    a worker killed during a run comes back as a failed run naming its exit code."""
+    preset = tiny_preset([16, 64], ["linear_attention"], steps=2)
+    ok, bad = (
+        {"task": "mqar", "seq_len": t, "mixer": "linear_attention", "lr": 2e-3, "seed": 0} for t in (16, 64)
+    )
+    with RunPool(["cpu"], runs_per_worker=2) as pool:
+        pool.submit(preset, bad)
+        failed = pool.next_result()
+        outcomes = []
+        for _ in range(3):
+            pool.submit(preset, ok)
+            outcomes.append(pool.next_result())
+        pool.submit(preset, ok)
+        pool.slots[0].process.kill()
+        died = pool.next_result()
+    assert failed.record is None and "num_keys" in failed.error
+    assert all(o.error is None for o in outcomes)
+    assert [o.run_index for o in outcomes] == [0, 1, 0]
+    assert failed.pid != outcomes[0].pid == outcomes[1].pid != outcomes[2].pid
+    assert died.record is None and "died during the run (exit code -9)" in died.error and died.spec == ok
+    with pytest.raises(ValueError, match="runs_per_worker"):
+        RunPool(["cpu"], runs_per_worker=0)
+
+
+def test_the_sweep_records_its_invocations_and_reports_their_cost(tmp_path, monkeypatch):
+    """Each invocation adds its minutes, GPUs and finished runs to the file; `cost` sums the GPU ones and
+    prices the runs left at their mean. On the CPU no GPU-minutes are counted."""
+    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16, 32], ["linear_attention"], steps=2))
+    out = tmp_path / "sweep.json"
+    data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),))
+    total = len(run_specs(PRESETS["tiny"]))
+    assert [(i["runs"], i["gpus"]) for i in data["invocations"]] == [(total // 2, 0)]
+    assert data["invocations"][0]["minutes"] > 0
+    assert cost(data) == {
+        "gpu_minutes": 0, "runs": 0, "per_run": None, "untracked": 0, "left": total // 2, "left_gpu_minutes": None
+    }  # fmt: skip
+    data["invocations"] = [
+        {**data["invocations"][0], "gpus": 2, "minutes": 3.0, "runs": 1},
+        {**data["invocations"][0], "gpus": 0, "minutes": 9.0, "runs": 0},
+    ]
+    data["runs"] = data["runs"] * 3  # two runs from before invocations were recorded
+    c = cost(data)
+    assert (c["gpu_minutes"], c["runs"], c["per_run"], c["untracked"], c["left"]) == (
+        6.0,
+        1,
+        6.0,
+        2,
+        total // 2,
+    )
+    assert c["left_gpu_minutes"] == pytest.approx(6.0 * c["left"])

@@ -11,7 +11,10 @@ happens inside it); `wall - train` is the start-up, model building and held-out 
 cost of a fresh process is the difference between the modes. Both modes train the same specs, so the script also
 reports the largest relative difference of their held-out losses (0 expected: same operations, same data).
 On a CUDA machine with the Triton backend the kernels are compiled once first (`warm_up_kernels`, as the
-sweep does), and that time is reported too.
+sweep does), and that time is reported too. Triton's cache starts empty (a fresh TRITON_CACHE_DIR unless one is
+set), and the compiled kernels in it are counted after the warm-up and after each mode: a count that grows
+during a mode means its workers compiled variants the warm-up did not. `--legacy-warm-up` warms up as the sweep
+did before (a batch of 2 at 128 tokens), to see what that cost each fresh process.
 
 Writes `recall_run_cost.json` to `--out` (default `$OUT`, else bench/results) and prints a summary.
 """
@@ -21,12 +24,20 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, run_specs, warm_up_kernels
+
+LEGACY_WARM_UP = [(2, 128)]  # (batch, length) of the sweep's warm-up before warm_up_shapes
+
+
+def compiled_kernels() -> int:
+    """Compiled kernels (cubin files) in Triton's cache directory."""
+    return sum(1 for _ in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
 
 
 def preset_with_steps(name: str, steps: int) -> dict:
@@ -78,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cell", default=None, metavar="TASK:LEN", help="default: the preset's first")
     parser.add_argument("--mixers", nargs="+", default=None, help="default: the preset's first")
     parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
+    parser.add_argument("--legacy-warm-up", action="store_true", help="warm up at a batch of 2, 128 tokens")
     parser.add_argument(
         "--modes", nargs="+", default=["old", "new"], choices=["old", "new"], help="in this order"
     )
@@ -85,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     t_start = time.perf_counter()
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_cache_"))  # workers inherit it
     budget_end = t_start + args.budget_s if args.budget_s else float("inf")
     preset = preset_with_steps(args.preset, args.steps)
     specs = run_specs(preset)
@@ -109,8 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if device != "cpu" and preset["mixer"].get("backend") == "triton":
         t0 = time.perf_counter()
-        warm_up_kernels(preset)
+        warm_up_kernels(preset, LEGACY_WARM_UP if args.legacy_warm_up else None)
         result["compile_seconds"] = time.perf_counter() - t0
+    result["legacy_warm_up"] = args.legacy_warm_up
+    result["compiled_kernels"] = {"after_warm_up": compiled_kernels()}
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         rows = time_mode(preset, chosen, device, runs_per_worker, budget_end)
         result[mode] = {"rows": rows, "total_wall": time.perf_counter() - t0}
+        result["compiled_kernels"][f"after_{mode}"] = compiled_kernels()
         (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
 
     old, new = result.get("old", {"rows": []})["rows"], result.get("new", {"rows": []})["rows"]
@@ -156,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     result["summary"] = summary
     result["seconds"] = time.perf_counter() - t_start
     (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(summary, indent=1))
+    print(json.dumps({**summary, "compiled_kernels": result["compiled_kernels"]}, indent=1))
     print(f"wrote {out / 'recall_run_cost.json'} ({result['seconds']:.0f} s)")
 
 

@@ -39,7 +39,7 @@ import torch
 
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
 from kda_edu.training.tasks import make_task, task_to_dict
-from kda_edu.training.train import GATE_PARAMETERS, TrainConfig, train
+from kda_edu.training.train import EVAL_BATCH, GATE_PARAMETERS, TrainConfig, train
 
 # Task parameters besides the length; MQAR's number of pairs grows with the length (`pairs_per_token`).
 PRESETS = {
@@ -320,14 +320,32 @@ class RunPool:
         self.close()
 
 
-def warm_up_kernels(preset: dict) -> None:
+def warm_up_shapes(preset: dict) -> list[tuple[int, int]]:
+    """The `(batch, length)` inputs the preset's runs hand the kernels: the training batch and the evaluation
+    slices (`EVAL_BATCH` sequences, and what is left of the held-out set) at every length of its tasks."""
+    train = preset["train"]
+    batches = {train["batch_size"], min(EVAL_BATCH, train["eval_size"])} | {
+        train["eval_size"] % EVAL_BATCH
+    } - {0}
+    lengths = sorted({n for task in preset["tasks"].values() for n in task["lengths"]})
+    return [(b, n) for n in lengths for b in sorted(batches)]
+
+
+def warm_up_kernels(preset: dict, shapes: list[tuple[int, int]] | None = None) -> None:
     """Compile the Triton kernels the preset's delta-rule mixers use, once, in this process: they land in
-    Triton's on-disk cache, so the worker processes load them instead of each compiling its own copy."""
+    Triton's on-disk cache, so the worker processes load them instead of each compiling its own copy.
+
+    Triton compiles one variant of a kernel per class of its integer arguments (equal to 1, divisible by 16,
+    other), so the warm-up runs the shapes the runs will (`warm_up_shapes`, or `shapes`): the number of chunks
+    in a launch is batch x chunks per sequence, and a batch of 2 gives a variant that a batch of 64 never uses.
+    """
     t0 = time.perf_counter()
+    d_model = preset["model"]["d_model"]
     for kind in DELTA_RULE_KINDS:
-        mixer = TokenMixer(preset["model"]["d_model"], MixerConfig(kind=kind, **preset["mixer"])).cuda()
-        x = torch.randn(2, 128, preset["model"]["d_model"], device="cuda", requires_grad=True)
-        mixer(x).sum().backward()  # the forward inside autograd launches the same kernels as without it
+        mixer = TokenMixer(d_model, MixerConfig(kind=kind, **preset["mixer"])).cuda()
+        for batch, length in warm_up_shapes(preset) if shapes is None else shapes:
+            x = torch.randn(batch, length, d_model, device="cuda", requires_grad=True)
+            mixer(x).sum().backward()  # the forward inside autograd launches the same kernels as without it
     torch.cuda.synchronize()
     print(f"Triton kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 

@@ -144,8 +144,11 @@ def masked_loss_and_accuracy(logits: torch.Tensor, batch: TaskBatch) -> tuple[to
     return (ce.view_as(weight) * weight).sum() / count, (hits * weight).sum() / count
 
 
+EVAL_BATCH = 64  # sequences per forward pass of `evaluate`
+
+
 @torch.no_grad()
-def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = 64) -> tuple[float, float]:
+def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = EVAL_BATCH) -> tuple[float, float]:
     """`(loss, token accuracy)` of `model` on `batch`, over the scored positions, in slices of `batch_size`."""
     was_training = model.training
     model.eval()

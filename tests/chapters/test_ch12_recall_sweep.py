@@ -98,3 +98,35 @@ def test_the_sweep_records_its_invocations_and_reports_their_cost(tmp_path, monk
         total // 2,
     )
     assert c["left_gpu_minutes"] == pytest.approx(6.0 * c["left"])
+
+
+def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
+    """Triton compiles a kernel once per class of its integer arguments (equal to 1, divisible by 16, other;
+    asked of Triton itself here). The kernels' integer arguments are the length T, the heads and head sizes, and
+    the number of chunks in the launch, batch x ceil(T / 64). Every launch of a GPU run (its training batch and
+    its evaluation slices, at each length) falls in a class the warm-up launches; a warm-up at a batch of 2 and
+    128 tokens (what the sweep compiled before) matches none, so each worker compiled its own kernels."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.compiler import BaseBackend
+
+    from kda_edu.chapters.ch12_recall_sweep import task_for, warm_up_shapes
+    from kda_edu.kernels.chunk import chunk_layout
+    from kda_edu.training.train import EVAL_BATCH
+
+    def variant(batch: int, length: int) -> tuple:
+        _, nch, _, _ = chunk_layout(length, batch, chunk=PRESETS["gpu"]["mixer"]["chunk_size"])
+        return tuple(
+            libtriton.native_specialize_impl(BaseBackend, n, False, True, True) for n in (length, nch)
+        )
+
+    preset = PRESETS["gpu"]
+    warmed = {variant(b, n) for b, n in warm_up_shapes(preset)}
+    launched = set()
+    for name, length in {(spec["task"], spec["seq_len"]) for spec in run_specs(preset)}:
+        task = task_for(name, length, preset["tasks"][name])
+        train_batch = task.sample(preset["train"]["batch_size"], 0).inputs.shape
+        held_out = task.sample(preset["train"]["eval_size"], 1).inputs
+        slices = [held_out[i : i + EVAL_BATCH].shape for i in range(0, held_out.shape[0], EVAL_BATCH)]
+        launched |= {variant(*shape) for shape in [train_batch, *slices]}
+    assert launched <= warmed
+    assert not launched & {variant(2, 128)}

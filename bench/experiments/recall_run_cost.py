@@ -1,15 +1,19 @@
-"""What a recall-sweep run pays besides its training steps: one process per run against persistent workers.
+"""What a recall-sweep run pays besides its training steps: one process per run, persistent workers, and
+several runs trained at the same time in one worker.
 
-    python bench/experiments/recall_run_cost.py --preset cpu --steps 20 --runs 4            # this CPU
-    python bench/experiments/recall_run_cost.py --preset gpu --steps 60 --runs 4 --budget-s 150   # one H200
+    python bench/experiments/recall_run_cost.py --preset cpu --steps 20 --runs 4                  # this CPU
+    python bench/experiments/recall_run_cost.py --preset gpu --steps 150 --runs 3 --cell mqar:256 \
+        --mixers kda --budget-s 140                                                               # one H200
 
 Trains the same few runs of a chapter 12 preset (its model and recipe, `--steps` steps instead of the preset's)
-twice through `RunPool` with one worker: "old", a fresh process per run (`runs_per_worker=1`, what the sweep did
-before), and "new", one worker for all of them. For every run it records the wall time from submission to
+through `RunPool` with one worker: "old", a fresh process per run (`runs_per_worker=1`, what the sweep did
+before), "new", one worker for all of them, one after another, and "together", one worker training all of them
+at the same time (one job: a thread and, on CUDA, a stream per run; its `wall` is the job's). For every run it records the wall time from submission to
 result (`wall`) and the training loop's own time (`train`, the run's `seconds`: Triton's first-call work
 happens inside it); `wall - train` is the start-up, model building and held-out sampling. The per-run fixed
 cost of a fresh process is the difference between the modes. Both modes train the same specs, so the script also
-reports the largest relative difference of their held-out losses (0 expected: same operations, same data).
+reports the largest relative difference of their held-out losses against "new" (0 expected: same operations,
+same data).
 On a CUDA machine with the Triton backend the kernels are compiled once first (`warm_up_kernels`, as the
 sweep does), and that time is reported too. Triton's cache starts empty (a fresh TRITON_CACHE_DIR unless one is
 set), and the compiled kernels in it are counted after the warm-up and after each mode: a count that grows
@@ -56,25 +60,42 @@ def time_mode(preset: dict, specs: list[dict], device: str, runs_per_worker, bud
             if time.perf_counter() > budget_end:
                 break
             pool.submit(preset, spec)
-            outcome = pool.next_result()
+            (outcome,) = pool.next_results()
             if outcome.error is not None:
                 raise RuntimeError(f"run {spec} failed:\n{outcome.error}")
-            rows.append(
-                {
-                    **spec,
-                    "wall": outcome.wall,
-                    "train": outcome.record["seconds"],
-                    "run_index": outcome.run_index,
-                    "pid": outcome.pid,
-                    "eval_loss": [h["eval_loss"] for h in outcome.record["history"]],
-                }
-            )
+            rows.append(row(outcome))
             print(
                 f"  {spec['mixer']} lr={spec['lr']} seed={spec['seed']}: wall {outcome.wall:.2f} s, "
                 f"train {outcome.record['seconds']:.2f} s (run {outcome.run_index + 1} of pid {outcome.pid})",
                 flush=True,
             )
     return rows
+
+
+def time_together(preset: dict, specs: list[dict], device: str) -> list[dict]:
+    """Train `specs` at the same time as one job of one worker; one row per run."""
+    with RunPool([device], threads=1) as pool:
+        pool.submit(preset, *specs)
+        outcomes = pool.next_results()
+    for o in outcomes:
+        if o.error is not None:
+            raise RuntimeError(f"run {o.spec} failed:\n{o.error}")
+        print(
+            f"  {o.spec['mixer']} lr={o.spec['lr']} seed={o.spec['seed']}: train {o.record['seconds']:.2f} s"
+        )
+    print(f"  job wall {outcomes[0].wall:.2f} s", flush=True)
+    return [row(o) for o in outcomes]
+
+
+def row(outcome) -> dict:
+    return {
+        **outcome.spec,
+        "wall": outcome.wall,
+        "train": outcome.record["seconds"],
+        "run_index": outcome.run_index,
+        "pid": outcome.pid,
+        "eval_loss": [h["eval_loss"] for h in outcome.record["history"]],
+    }
 
 
 def mean(values: list[float]) -> float | None:
@@ -91,7 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     parser.add_argument("--legacy-warm-up", action="store_true", help="warm up at a batch of 2, 128 tokens")
     parser.add_argument(
-        "--modes", nargs="+", default=["old", "new"], choices=["old", "new"], help="in this order"
+        "--modes",
+        nargs="+",
+        default=["old", "new", "together"],
+        choices=["old", "new", "together"],
+        help="in this order",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args(argv)
@@ -130,15 +155,19 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes:
-        runs_per_worker = {"old": 1, "new": None}[mode]
-        print(f"{mode}: runs_per_worker={runs_per_worker}", flush=True)
+        print(mode, flush=True)
         t0 = time.perf_counter()
-        rows = time_mode(preset, chosen, device, runs_per_worker, budget_end)
+        if time.perf_counter() > budget_end:
+            break
+        if mode == "together":
+            rows = time_together(preset, chosen, device)
+        else:
+            rows = time_mode(preset, chosen, device, {"old": 1, "new": None}[mode], budget_end)
         result[mode] = {"rows": rows, "total_wall": time.perf_counter() - t0}
         result["compiled_kernels"][f"after_{mode}"] = compiled_kernels()
         (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
 
-    old, new = result.get("old", {"rows": []})["rows"], result.get("new", {"rows": []})["rows"]
+    old, new, together = (result.get(m, {"rows": []})["rows"] for m in ("old", "new", "together"))
     later = [r for r in new if r["run_index"] > 0]
     summary = {
         "old_wall_per_run": mean([r["wall"] for r in old]),
@@ -159,16 +188,26 @@ def main(argv: list[str] | None = None) -> None:
         summary["first_steps_extra_in_a_fresh_process"] = (
             summary["old_train_per_run"] - summary["new_later_train_per_run"]
         )
-    pairs = [
-        (a, b)
-        for a in old
-        for b in new
-        if (a["mixer"], a["lr"], a["seed"]) == (b["mixer"], b["lr"], b["seed"])
-    ]
-    summary["max_rel_eval_loss_diff_old_vs_new"] = max(
-        (abs(x - y) / abs(x) for a, b in pairs for x, y in zip(a["eval_loss"], b["eval_loss"], strict=True)),
-        default=None,
-    )
+    if together:
+        summary["together_job_wall"] = together[0]["wall"]
+        summary["together_wall_per_run"] = together[0]["wall"] / len(together)
+        summary["together_train_per_run"] = mean([r["train"] for r in together])
+        summary["new_total_wall"] = result.get("new", {}).get("total_wall")
+    for other_name, other in (("old", old), ("together", together)):
+        pairs = [
+            (a, b)
+            for a in other
+            for b in new
+            if (a["mixer"], a["lr"], a["seed"]) == (b["mixer"], b["lr"], b["seed"])
+        ]
+        summary[f"max_rel_eval_loss_diff_{other_name}_vs_new"] = max(
+            (
+                abs(x - y) / abs(x)
+                for a, b in pairs
+                for x, y in zip(a["eval_loss"], b["eval_loss"], strict=True)
+            ),
+            default=None,
+        )
     result["summary"] = summary
     result["seconds"] = time.perf_counter() - t_start
     (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))

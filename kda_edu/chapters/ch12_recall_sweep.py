@@ -30,6 +30,7 @@ import platform
 import statistics
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import wait
@@ -162,7 +163,7 @@ def run_one(preset: dict, spec: dict, device: str = "cpu", threads: int | None =
 
 @dataclass
 class RunOutcome:
-    """What `RunPool.next_result` hands back for one run.
+    """What `RunPool.next_results` hands back for one run.
 
     Attributes:
         spec: the run's spec, as submitted.
@@ -170,7 +171,7 @@ class RunOutcome:
         record: `run_one`'s record, or None when the run failed.
         error: the traceback (or how the worker died) when it failed, else None.
         pid: the worker process that ran it.
-        run_index: how many runs that worker had trained before this one (0: its first).
+        run_index: how many runs that worker had finished before this one's group started (0: its first).
         wall: seconds from submission to result, the worker's start-up included when it started for this run.
     """
 
@@ -183,9 +184,22 @@ class RunOutcome:
     wall: float
 
 
+def _run_caught(preset: dict, spec: dict, device: str) -> tuple[dict | None, str | None]:
+    """`(run_one's record, None)`, or `(None, traceback)`; on CUDA the run's work goes to a stream of its own,
+    so the runs of a group (one thread each) can share the GPU at once."""
+    try:
+        if str(device).startswith("cuda"):
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                return run_one(preset, spec, device), None
+        return run_one(preset, spec, device), None
+    except Exception as error:  # noqa: BLE001 - reported to the sweep, which records it
+        return None, "".join(traceback.format_exception(error))
+
+
 def _work(conn, threads: int) -> None:
-    """A worker process: train the `(preset, spec, device)` jobs received on `conn` one after another and send
-    back `(record, None)` or `(None, traceback)`; stop on None, or after a failed run."""
+    """A worker process: train the `(preset, specs, device)` jobs received on `conn` one after another (the
+    specs of one job at the same time, one thread each) and send back one `(record, error)` per spec; stop on
+    None, or after a job in which a run failed."""
     torch.set_num_threads(threads)
     while True:
         try:
@@ -194,15 +208,18 @@ def _work(conn, threads: int) -> None:
             return
         if job is None:
             return
-        preset, spec, device = job
-        try:
-            record = run_one(preset, spec, device)
-        except Exception as error:  # noqa: BLE001 - reported to the sweep, which records it
-            conn.send((None, "".join(traceback.format_exception(error))))
+        preset, specs, device = job
+        if len(specs) == 1:
+            results = [_run_caught(preset, specs[0], device)]
+        else:
+            with ThreadPoolExecutor(len(specs)) as threads_of_job:
+                n = len(specs)
+                results = list(threads_of_job.map(_run_caught, [preset] * n, specs, [device] * n))
+        conn.send(results)
+        if any(error is not None for _, error in results):
             return
-        conn.send((record, None))
-        del record
-        gc.collect()  # the run's model, optimiser and CUDA graph go now, not during the next run
+        del results
+        gc.collect()  # the runs' models, optimisers and CUDA graphs go now, not during the next job
         if str(device).startswith("cuda"):
             torch.cuda.empty_cache()
 
@@ -211,14 +228,8 @@ class _Slot:
     """One place in the pool: its device, and the worker process there (None until needed)."""
 
     def __init__(self, device: str):
-        self.device, self.process, self.conn, self.runs, self.job, self.submitted = (
-            device,
-            None,
-            None,
-            0,
-            None,
-            0.0,
-        )
+        self.device = device
+        self.process, self.conn, self.runs, self.job, self.submitted = None, None, 0, None, 0.0
 
 
 class RunPool:
@@ -227,12 +238,13 @@ class RunPool:
     Args:
         devices: one entry per worker, where it trains ("cpu", "cuda:0", ...).
         threads: `torch.set_num_threads` of each worker.
-        runs_per_worker: retire a worker after this many runs and start a fresh one for the next (1: a fresh
-            process per run); None keeps each worker for the whole sweep.
+        runs_per_worker: retire a worker once it has trained this many runs and start a fresh one for the next
+            (1: a fresh process per run); None keeps each worker for the whole sweep.
 
-    `submit` hands a run to an idle worker (starting one if that place has none); `next_result` waits for the
-    next run to finish. A worker whose run raised, or that died (killed, crashed), is replaced by a fresh
-    process for the next run, so a broken CUDA context never reaches another run.
+    `submit` hands one run, or a group of runs that the worker trains at the same time (in threads, on CUDA
+    each on its own stream), to an idle worker, starting one if that place has none; `next_results` waits for
+    the next job to finish. A worker in which a run raised, or that died (killed, crashed), is replaced by a
+    fresh process for the next job, so a broken CUDA context never reaches another run.
     """
 
     def __init__(self, devices: list[str], threads: int = 1, runs_per_worker: int | None = None):
@@ -245,51 +257,54 @@ class RunPool:
         self.context = torch.multiprocessing.get_context("spawn")
 
     def idle(self) -> int:
-        """Workers free for a run."""
+        """Workers free for a job."""
         return sum(slot.job is None for slot in self.slots)
 
     def busy(self) -> int:
         """Runs under way."""
-        return len(self.slots) - self.idle()
+        return sum(len(slot.job) for slot in self.slots if slot.job is not None)
 
-    def submit(self, preset: dict, spec: dict) -> str:
-        """Hand `spec` of `preset` to an idle worker; returns the device it runs on."""
+    def submit(self, preset: dict, *specs: dict) -> str:
+        """Hand the runs `specs` of `preset` to an idle worker, to train at the same time; returns its device."""
+        if not specs:
+            raise ValueError("RunPool.submit needs at least one spec")
         slot = next((s for s in self.slots if s.job is None), None)
         if slot is None:
-            raise RuntimeError("RunPool.submit: every worker is busy; call next_result first")
+            raise RuntimeError("RunPool.submit: every worker is busy; call next_results first")
         if slot.process is None:
             slot.conn, child = self.context.Pipe()
             slot.process = self.context.Process(target=_work, args=(child, self.threads), daemon=True)
             slot.process.start()
             child.close()
             slot.runs = 0
-        slot.job, slot.submitted = spec, time.perf_counter()
-        slot.conn.send((preset, spec, slot.device))
+        slot.job, slot.submitted = list(specs), time.perf_counter()
+        slot.conn.send((preset, slot.job, slot.device))
         return slot.device
 
-    def next_result(self) -> RunOutcome:
-        """Wait for the next run to finish and return its `RunOutcome`."""
+    def next_results(self) -> list[RunOutcome]:
+        """Wait for the next job to finish and return a `RunOutcome` per run of it, in submission order."""
         busy = [s for s in self.slots if s.job is not None]
         if not busy:
-            raise RuntimeError("RunPool.next_result: no run is under way")
+            raise RuntimeError("RunPool.next_results: no run is under way")
         ready = wait([s.conn for s in busy] + [s.process.sentinel for s in busy])
         slot = next(s for s in busy if s.conn in ready or s.process.sentinel in ready)
         pid = slot.process.pid
         try:
-            record, error = slot.conn.recv()
+            results = slot.conn.recv()
         except (EOFError, OSError):
             slot.process.join()
-            record, error = (
-                None,
-                f"worker process {pid} died during the run (exit code {slot.process.exitcode})",
-            )
-        outcome = RunOutcome(
-            slot.job, slot.device, record, error, pid, slot.runs, time.perf_counter() - slot.submitted
-        )
-        slot.job, slot.runs = None, slot.runs + 1
-        if error is not None or (self.runs_per_worker is not None and slot.runs >= self.runs_per_worker):
+            died = f"worker process {pid} died during the run (exit code {slot.process.exitcode})"
+            results = [(None, died)] * len(slot.job)
+        wall = time.perf_counter() - slot.submitted
+        outcomes = [
+            RunOutcome(spec, slot.device, record, error, pid, slot.runs, wall)
+            for spec, (record, error) in zip(slot.job, results, strict=True)
+        ]
+        slot.job, slot.runs = None, slot.runs + len(outcomes)
+        failed = any(o.error is not None for o in outcomes)
+        if failed or (self.runs_per_worker is not None and slot.runs >= self.runs_per_worker):
             self._retire(slot)
-        return outcome
+        return outcomes
 
     def _retire(self, slot: _Slot) -> None:
         if slot.process.is_alive():
@@ -376,6 +391,7 @@ def run_sweep(
     device: str | None = None,
     skip: tuple[tuple[str, int], ...] = (),
     runs_per_worker: int | None = None,
+    together: int = 1,
 ) -> dict:
     """Run (or continue) the sweep of `PRESETS[preset_name]`, writing `out` (.json) and its .csv twin.
 
@@ -390,6 +406,9 @@ def run_sweep(
         skip: (task, length) cells to leave out of this invocation (they stay pending for the next one).
         runs_per_worker: start a fresh worker process after this many runs (1: one process per run); None
             keeps each worker for the whole invocation.
+        together: runs a worker trains at the same time (consecutive runs of the sweep's order, one thread
+            each, on CUDA each on its own stream, so their kernels can overlap, which separate processes'
+            kernels cannot without MPS).
 
     Returns:
         The results dict as written.
@@ -422,6 +441,7 @@ def run_sweep(
         "gpus": gpus,
         "workers": workers,
         "runs_per_worker": runs_per_worker,
+        "together": together,
         "minutes": 0.0,
         "runs": 0,
     }
@@ -447,28 +467,29 @@ def run_sweep(
         while todo or pool.busy():
             out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
             while todo and pool.idle() and not out_of_time:
-                pool.submit(preset, todo.pop(0))
+                pool.submit(preset, *todo[:together])
+                del todo[:together]
             if not pool.busy():
                 break
-            outcome = pool.next_result()
-            spec = outcome.spec
-            data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
-            if outcome.error is not None:
-                print(f"FAILED {spec} on {outcome.device}:\n{outcome.error}", flush=True)
-                data["failed"].append({**spec, "error": outcome.error[-2000:]})
+            for outcome in pool.next_results():
+                spec = outcome.spec
+                data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
+                if outcome.error is not None:
+                    print(f"FAILED {spec} on {outcome.device}:\n{outcome.error}", flush=True)
+                    data["failed"].append({**spec, "error": outcome.error[-2000:]})
+                    save()
+                    continue
+                record = outcome.record
+                data["runs"].append(record)
+                invocation["runs"] += 1
                 save()
-                continue
-            record = outcome.record
-            data["runs"].append(record)
-            invocation["runs"] += 1
-            save()
-            print(
-                f"[{len(data['runs'])}/{len(data['runs']) + len(todo) + pool.busy()}] {record['task']} "
-                f"T={record['seq_len']} {record['mixer']} lr={record['lr']} seed={record['seed']}: "
-                f"acc {record['final_acc']:.3f} ({record['seconds']:.0f} s training, {outcome.wall:.0f} s "
-                f"in all, run {outcome.run_index + 1} of worker {outcome.pid})",
-                flush=True,
-            )
+                print(
+                    f"[{len(data['runs'])}/{len(data['runs']) + len(todo) + pool.busy()}] {record['task']} "
+                    f"T={record['seq_len']} {record['mixer']} lr={record['lr']} seed={record['seed']}: "
+                    f"acc {record['final_acc']:.3f} ({record['seconds']:.0f} s training, {outcome.wall:.0f} s "
+                    f"in all, worker {outcome.pid} after {outcome.run_index} runs)",
+                    flush=True,
+                )
     save()
     return data
 
@@ -584,6 +605,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="start a fresh worker process after this many runs (1: one per run; default: never)",
     )
+    parser.add_argument(
+        "--together",
+        type=int,
+        default=1,
+        help="runs a worker trains at the same time (threads, CUDA streams)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     parser.add_argument(
         "--cost", action="store_true", help="report the GPU-minutes recorded in --out and exit"
@@ -613,6 +640,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         skip=skip,
         runs_per_worker=args.runs_per_worker,
+        together=args.together,
     )
     for row in summarize(data["runs"]):
         print(

@@ -29,6 +29,7 @@ A checkpoint is one safetensors file: the model's tensors (`model.*`), AdamW's m
 import json
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -162,9 +163,15 @@ def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = EVAL_BATCH) ->
     return total_loss / count, correct / count
 
 
+# The initialisation draws from PyTorch's one global generator: two threads building models at once would
+# interleave their draws (chapter 12's sweep trains several runs in one process, a thread each).
+_GLOBAL_RNG = threading.Lock()
+
+
 def build_model(model_config: RecallConfig, seed: int) -> RecallLM:
-    """A `RecallLM` initialised from `torch.manual_seed(seed)`, without touching the caller's random state."""
-    with torch.random.fork_rng(devices=[]):
+    """A `RecallLM` initialised from `torch.manual_seed(seed)`, without touching the caller's random state
+    (one thread at a time)."""
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return RecallLM(model_config)
 
@@ -214,7 +221,11 @@ class _GraphedStep:
         self.batch = TaskBatch(batch.inputs.clone(), batch.targets.clone(), batch.mask.clone())
         optimizer.zero_grad(set_to_none=True)  # the captured backward writes fresh gradients
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Another thread's run (chapter 12's sweep can train several runs in one process) may synchronise or
+        # allocate while this one captures: only this thread's calls must be capturable (thread_local), and the
+        # capture gets a stream of its own (torch.cuda.graph's default capture stream is one per process).
+        capture = torch.cuda.Stream(batch.inputs.device)
+        with torch.cuda.graph(self.graph, stream=capture, capture_error_mode="thread_local"):
             self.loss = train_step(model, optimizer, self.batch, grad_clip)
 
     def __call__(self, batch: TaskBatch) -> torch.Tensor:

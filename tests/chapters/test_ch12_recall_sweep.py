@@ -32,17 +32,39 @@ def test_a_run_gives_the_same_numbers_alone_and_after_another_run_in_its_worker(
     before = {"task": "mqar", "seq_len": 16, "mixer": "kda", "lr": 5e-3, "seed": 1}
     with RunPool(["cpu"]) as pool:
         pool.submit(preset, target)
-        alone = pool.next_result()
+        alone = pool.next_results()[0]
     with RunPool(["cpu"]) as pool:
         pool.submit(preset, before)
-        first = pool.next_result()
+        first = pool.next_results()[0]
         pool.submit(preset, target)
-        after = pool.next_result()
+        after = pool.next_results()[0]
     assert alone.error is None and first.error is None and after.error is None
     assert (after.pid, after.run_index) == (first.pid, 1) and alone.pid != after.pid
     torch.testing.assert_close(curves(after.record), curves(alone.record), rtol=1e-6, atol=0)
     assert after.record["final_loss"] == pytest.approx(alone.record["final_loss"], rel=1e-6)
     assert (curves(first.record) - curves(alone.record)).abs().max() > 1e-3
+
+
+def test_runs_trained_together_in_one_worker_give_the_numbers_they_give_alone():
+    """Two runs of one job train at the same time in one worker (one thread each): each run's curves agree with
+    the same run trained alone in a fresh worker, to 1e-6 relative as above."""
+    preset = tiny_preset([16], ["deltanet", "kda"])
+    specs = [
+        {"task": "mqar", "seq_len": 16, "mixer": m, "lr": 2e-3, "seed": s}
+        for m, s in (("deltanet", 0), ("kda", 1))
+    ]
+    with RunPool(["cpu"]) as pool:
+        pool.submit(preset, *specs)
+        together = pool.next_results()
+        alone = []
+        for spec in specs:
+            pool.submit(preset, spec)
+            alone += pool.next_results()
+    assert [o.spec for o in together] == specs and all(o.error is None for o in together + alone)
+    assert len({o.pid for o in together + alone}) == 1 and [o.run_index for o in alone] == [2, 3]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(curves(a.record), curves(b.record), rtol=1e-6, atol=0)
+    assert pool.busy() == 0 and pool.idle() == 1
 
 
 def test_the_pool_replaces_a_worker_whose_run_failed_or_that_died():
@@ -55,14 +77,14 @@ def test_the_pool_replaces_a_worker_whose_run_failed_or_that_died():
     )
     with RunPool(["cpu"], runs_per_worker=2) as pool:
         pool.submit(preset, bad)
-        failed = pool.next_result()
+        failed = pool.next_results()[0]
         outcomes = []
         for _ in range(3):
             pool.submit(preset, ok)
-            outcomes.append(pool.next_result())
+            outcomes.append(pool.next_results()[0])
         pool.submit(preset, ok)
         pool.slots[0].process.kill()
-        died = pool.next_result()
+        died = pool.next_results()[0]
     assert failed.record is None and "num_keys" in failed.error
     assert all(o.error is None for o in outcomes)
     assert [o.run_index for o in outcomes] == [0, 1, 0]
@@ -73,31 +95,28 @@ def test_the_pool_replaces_a_worker_whose_run_failed_or_that_died():
 
 
 def test_the_sweep_records_its_invocations_and_reports_their_cost(tmp_path, monkeypatch):
-    """Each invocation adds its minutes, GPUs and finished runs to the file; `cost` sums the GPU ones and
-    prices the runs left at their mean. On the CPU no GPU-minutes are counted."""
-    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16, 32], ["linear_attention"], steps=2))
+    """Each invocation adds its minutes, GPUs and finished runs to the file (here two runs trained together as
+    one job); `cost` sums the GPU ones and prices the runs left at their mean. On the CPU no GPU-minutes count."""
+    monkeypatch.setitem(
+        PRESETS, "tiny", {**tiny_preset([16, 32], ["linear_attention"], steps=2), "lrs": [2e-3, 5e-3]}
+    )
     out = tmp_path / "sweep.json"
-    data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),))
-    total = len(run_specs(PRESETS["tiny"]))
-    assert [(i["runs"], i["gpus"]) for i in data["invocations"]] == [(total // 2, 0)]
+    data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),), together=2)
+    assert len(run_specs(PRESETS["tiny"])) == 4
+    assert sorted((r["seq_len"], r["lr"]) for r in data["runs"]) == [(16, 2e-3), (16, 5e-3)]
+    assert [(i["runs"], i["gpus"], i["together"]) for i in data["invocations"]] == [(2, 0, 2)]
     assert data["invocations"][0]["minutes"] > 0
     assert cost(data) == {
-        "gpu_minutes": 0, "runs": 0, "per_run": None, "untracked": 0, "left": total // 2, "left_gpu_minutes": None
+        "gpu_minutes": 0, "runs": 0, "per_run": None, "untracked": 0, "left": 2, "left_gpu_minutes": None
     }  # fmt: skip
     data["invocations"] = [
         {**data["invocations"][0], "gpus": 2, "minutes": 3.0, "runs": 1},
         {**data["invocations"][0], "gpus": 0, "minutes": 9.0, "runs": 0},
     ]
-    data["runs"] = data["runs"] * 3  # two runs from before invocations were recorded
+    data["runs"] = data["runs"] + data["runs"]  # four in the file, one of them from a recorded invocation
     c = cost(data)
-    assert (c["gpu_minutes"], c["runs"], c["per_run"], c["untracked"], c["left"]) == (
-        6.0,
-        1,
-        6.0,
-        2,
-        total // 2,
-    )
-    assert c["left_gpu_minutes"] == pytest.approx(6.0 * c["left"])
+    assert (c["gpu_minutes"], c["runs"], c["per_run"], c["untracked"], c["left"]) == (6.0, 1, 6.0, 3, 2)
+    assert c["left_gpu_minutes"] == pytest.approx(12.0)
 
 
 def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():

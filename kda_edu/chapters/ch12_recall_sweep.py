@@ -339,9 +339,8 @@ def warm_up_shapes(preset: dict) -> list[tuple[int, int]]:
     """The `(batch, length)` inputs the preset's runs hand the kernels: the training batch and the evaluation
     slices (`EVAL_BATCH` sequences, and what is left of the held-out set) at every length of its tasks."""
     train = preset["train"]
-    batches = {train["batch_size"], min(EVAL_BATCH, train["eval_size"])} | {
-        train["eval_size"] % EVAL_BATCH
-    } - {0}
+    leftover = train["eval_size"] % EVAL_BATCH
+    batches = {train["batch_size"], min(EVAL_BATCH, train["eval_size"])} | ({leftover} if leftover else set())
     lengths = sorted({n for task in preset["tasks"].values() for n in task["lengths"]})
     return [(b, n) for n in lengths for b in sorted(batches)]
 

@@ -1,5 +1,6 @@
 # Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
 # Runs not started by MAX_MINUTES stay pending; runs still going at TIMEOUT_S are lost. Logs and results go to $OUT.
+# SWEEP_OPTS (environment) adds options, e.g. SWEEP_OPTS="--together 2"; the log ends with --cost's line.
 source bench/device/env.sh
 GPU=$1; WORKERS=$2; MAXMIN=$3; TMO=$4; shift 4
 TAG=${GPU//,/_}  # file names that come back from $OUT: letters, digits, . _ - only
@@ -9,7 +10,8 @@ DMON=$!
 SKIP=()
 [ $# -gt 0 ] && SKIP=(--skip "$@")
 timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out bench/results/recall_gpu.json \
-    --workers "$WORKERS" --max-minutes "$MAXMIN" "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
+    --workers "$WORKERS" --max-minutes "$MAXMIN" $SWEEP_OPTS "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
 echo "sweep exit $?" >> "$OUT/sweep_$TAG.log"
+python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out bench/results/recall_gpu.json --cost >> "$OUT/sweep_$TAG.log" 2>&1
 cp bench/results/recall_gpu.json bench/results/recall_gpu.csv "$OUT/"
 kill $DMON

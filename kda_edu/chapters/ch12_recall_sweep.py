@@ -8,7 +8,14 @@ recipe, the tasks and their lengths, the mixers, the seeds and the learning rate
 run of `kda_edu.training.train.train`. Each finished run is appended to the JSON file at once (with its full task,
 model and training configuration, its accuracy curve and its wall time), and a CSV with one row per run is
 written beside it; running the same command again skips the runs already in the file, so a sweep can be
-split over several invocations (`--max-minutes`).
+split over several invocations (`--max-minutes`). Each invocation also records its wall time and GPU count
+under "invocations", from which `--cost` reports the GPU-minutes the file's runs took.
+
+The runs are trained by `RunPool`: worker processes that each train one run after another, so a worker pays
+its start-up (importing PyTorch and Triton, creating a CUDA context, loading the compiled kernels) once rather
+than once per run. A run's numbers do not depend on the worker or on what ran before it there: every run builds
+its model, optimiser and data from its own seed, and nothing else it reads is process-wide state that a run
+changes. A worker whose run raised is retired (its CUDA context may be broken) and a fresh one takes its place.
 
 `summarize` reduces the runs as the Kimi Linear report does: for every task, length and mixer it takes the
 learning rate with the best mean final accuracy over the seeds, and reports that rate's mean, min and max.
@@ -16,22 +23,24 @@ learning rate with the best mean final accuracy over the seeds, and reports that
 
 import argparse
 import csv
+import gc
 import json
 import os
 import platform
 import statistics
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
 
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
 from kda_edu.training.tasks import make_task, task_to_dict
-from kda_edu.training.train import GATE_PARAMETERS, TrainConfig, train
+from kda_edu.training.train import EVAL_BATCH, GATE_PARAMETERS, TrainConfig, train
 
 # Task parameters besides the length; MQAR's number of pairs grows with the length (`pairs_per_token`).
 PRESETS = {
@@ -152,14 +161,205 @@ def run_one(preset: dict, spec: dict, device: str = "cpu", threads: int | None =
     }
 
 
-def warm_up_kernels(preset: dict) -> None:
+@dataclass
+class RunOutcome:
+    """What `RunPool.next_results` hands back for one run.
+
+    Attributes:
+        spec: the run's spec, as submitted.
+        device: where it ran.
+        record: `run_one`'s record, or None when the run failed.
+        error: the traceback (or how the worker died) when it failed, else None.
+        pid: the worker process that ran it.
+        run_index: how many runs that worker had finished before this one's group started (0: its first).
+        wall: seconds from submission to result, the worker's start-up included when it started for this run.
+    """
+
+    spec: dict
+    device: str
+    record: dict | None
+    error: str | None
+    pid: int
+    run_index: int
+    wall: float
+
+
+def _run_caught(preset: dict, spec: dict, device: str) -> tuple[dict | None, str | None]:
+    """`(run_one's record, None)`, or `(None, traceback)`; on CUDA the run's work goes to a stream of its own,
+    so the runs of a group (one thread each) can share the GPU at once."""
+    try:
+        if str(device).startswith("cuda"):
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                return run_one(preset, spec, device), None
+        return run_one(preset, spec, device), None
+    except Exception as error:  # noqa: BLE001 - reported to the sweep, which records it
+        return None, "".join(traceback.format_exception(error))
+
+
+def _work(conn, threads: int) -> None:
+    """A worker process: train the `(preset, specs, device)` jobs received on `conn` one after another (the
+    specs of one job at the same time, one thread each) and send back one `(record, error)` per spec; stop on
+    None, or after a job in which a run failed."""
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the sweep is gone
+            return
+        if job is None:
+            return
+        preset, specs, device = job
+        if len(specs) == 1:
+            results = [_run_caught(preset, specs[0], device)]
+        else:
+            with ThreadPoolExecutor(len(specs)) as threads_of_job:
+                n = len(specs)
+                results = list(threads_of_job.map(_run_caught, [preset] * n, specs, [device] * n))
+        conn.send(results)
+        if any(error is not None for _, error in results):
+            return
+        del results
+        gc.collect()  # the runs' models, optimisers and CUDA graphs go now, not during the next job
+        if str(device).startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+class _Slot:
+    """One place in the pool: its device, and the worker process there (None until needed)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.process, self.conn, self.runs, self.job, self.submitted = None, None, 0, None, 0.0
+
+
+class RunPool:
+    """Worker processes (spawned, one CPU thread each by default) that train runs one after another.
+
+    Args:
+        devices: one entry per worker, where it trains ("cpu", "cuda:0", ...).
+        threads: `torch.set_num_threads` of each worker.
+        runs_per_worker: retire a worker once it has trained this many runs and start a fresh one for the next
+            (1: a fresh process per run); None keeps each worker for the whole sweep.
+
+    `submit` hands one run, or a group of runs that the worker trains at the same time (in threads, on CUDA
+    each on its own stream), to an idle worker, starting one if that place has none; `next_results` waits for
+    the next job to finish. A worker in which a run raised, or that died (killed, crashed), is replaced by a
+    fresh process for the next job, so a broken CUDA context never reaches another run.
+    """
+
+    def __init__(self, devices: list[str], threads: int = 1, runs_per_worker: int | None = None):
+        if not devices:
+            raise ValueError("RunPool needs at least one device (one per worker), got none")
+        if runs_per_worker is not None and runs_per_worker < 1:
+            raise ValueError(f"runs_per_worker must be >= 1 or None, got {runs_per_worker}")
+        self.slots = [_Slot(d) for d in devices]
+        self.threads, self.runs_per_worker = threads, runs_per_worker
+        self.context = torch.multiprocessing.get_context("spawn")
+
+    def idle(self) -> int:
+        """Workers free for a job."""
+        return sum(slot.job is None for slot in self.slots)
+
+    def busy(self) -> int:
+        """Runs under way."""
+        return sum(len(slot.job) for slot in self.slots if slot.job is not None)
+
+    def submit(self, preset: dict, *specs: dict) -> str:
+        """Hand the runs `specs` of `preset` to an idle worker, to train at the same time; returns its device."""
+        if not specs:
+            raise ValueError("RunPool.submit needs at least one spec")
+        slot = next((s for s in self.slots if s.job is None), None)
+        if slot is None:
+            raise RuntimeError("RunPool.submit: every worker is busy; call next_results first")
+        if slot.process is None:
+            slot.conn, child = self.context.Pipe()
+            slot.process = self.context.Process(target=_work, args=(child, self.threads), daemon=True)
+            slot.process.start()
+            child.close()
+            slot.runs = 0
+        slot.job, slot.submitted = list(specs), time.perf_counter()
+        slot.conn.send((preset, slot.job, slot.device))
+        return slot.device
+
+    def next_results(self) -> list[RunOutcome]:
+        """Wait for the next job to finish and return a `RunOutcome` per run of it, in submission order."""
+        busy = [s for s in self.slots if s.job is not None]
+        if not busy:
+            raise RuntimeError("RunPool.next_results: no run is under way")
+        ready = wait([s.conn for s in busy] + [s.process.sentinel for s in busy])
+        slot = next(s for s in busy if s.conn in ready or s.process.sentinel in ready)
+        pid = slot.process.pid
+        try:
+            results = slot.conn.recv()
+        except (EOFError, OSError):
+            slot.process.join()
+            died = f"worker process {pid} died during the run (exit code {slot.process.exitcode})"
+            results = [(None, died)] * len(slot.job)
+        wall = time.perf_counter() - slot.submitted
+        outcomes = [
+            RunOutcome(spec, slot.device, record, error, pid, slot.runs, wall)
+            for spec, (record, error) in zip(slot.job, results, strict=True)
+        ]
+        slot.job, slot.runs = None, slot.runs + len(outcomes)
+        failed = any(o.error is not None for o in outcomes)
+        if failed or (self.runs_per_worker is not None and slot.runs >= self.runs_per_worker):
+            self._retire(slot)
+        return outcomes
+
+    def _retire(self, slot: _Slot) -> None:
+        if slot.process.is_alive():
+            try:
+                slot.conn.send(None)
+            except OSError:
+                pass
+        slot.process.join(timeout=60)
+        if slot.process.is_alive():
+            slot.process.kill()
+            slot.process.join()
+        slot.conn.close()
+        slot.process, slot.conn = None, None
+
+    def close(self) -> None:
+        """Stop every worker (their runs under way are lost)."""
+        for slot in self.slots:
+            if slot.process is not None:
+                if slot.job is not None:
+                    slot.process.kill()
+                self._retire(slot)
+                slot.job = None
+
+    def __enter__(self) -> "RunPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def warm_up_shapes(preset: dict) -> list[tuple[int, int]]:
+    """The `(batch, length)` inputs the preset's runs hand the kernels: the training batch and the evaluation
+    slices (`EVAL_BATCH` sequences, and what is left of the held-out set) at every length of its tasks."""
+    train = preset["train"]
+    leftover = train["eval_size"] % EVAL_BATCH
+    batches = {train["batch_size"], min(EVAL_BATCH, train["eval_size"])} | ({leftover} if leftover else set())
+    lengths = sorted({n for task in preset["tasks"].values() for n in task["lengths"]})
+    return [(b, n) for n in lengths for b in sorted(batches)]
+
+
+def warm_up_kernels(preset: dict, shapes: list[tuple[int, int]] | None = None) -> None:
     """Compile the Triton kernels the preset's delta-rule mixers use, once, in this process: they land in
-    Triton's on-disk cache, so the worker processes load them instead of each compiling its own copy."""
+    Triton's on-disk cache, so the worker processes load them instead of each compiling its own copy.
+
+    Triton compiles one variant of a kernel per class of its integer arguments (equal to 1, divisible by 16,
+    other), so the warm-up runs the shapes the runs will (`warm_up_shapes`, or `shapes`): the number of chunks
+    in a launch is batch x chunks per sequence, and a batch of 2 gives a variant that a batch of 64 never uses.
+    """
     t0 = time.perf_counter()
+    d_model = preset["model"]["d_model"]
     for kind in DELTA_RULE_KINDS:
-        mixer = TokenMixer(preset["model"]["d_model"], MixerConfig(kind=kind, **preset["mixer"])).cuda()
-        x = torch.randn(2, 128, preset["model"]["d_model"], device="cuda", requires_grad=True)
-        mixer(x).sum().backward()  # the forward inside autograd launches the same kernels as without it
+        mixer = TokenMixer(d_model, MixerConfig(kind=kind, **preset["mixer"])).cuda()
+        for batch, length in warm_up_shapes(preset) if shapes is None else shapes:
+            x = torch.randn(batch, length, d_model, device="cuda", requires_grad=True)
+            mixer(x).sum().backward()  # the forward inside autograd launches the same kernels as without it
     torch.cuda.synchronize()
     print(f"Triton kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -189,6 +389,8 @@ def run_sweep(
     max_minutes: float | None = None,
     device: str | None = None,
     skip: tuple[tuple[str, int], ...] = (),
+    runs_per_worker: int | None = None,
+    together: int = 1,
 ) -> dict:
     """Run (or continue) the sweep of `PRESETS[preset_name]`, writing `out` (.json) and its .csv twin.
 
@@ -197,10 +399,15 @@ def run_sweep(
         out: the JSON file; runs already in it (for the same preset) are skipped. A preset whose only change
             is more seeds continues the file.
         workers: runs trained at the same time, in separate processes with one CPU thread each (on a CUDA
-            machine spread round-robin over its GPUs).
+            machine spread round-robin over its GPUs), each training one run after another (`RunPool`).
         max_minutes: start no new run after this many minutes (the finished runs are saved; rerun to go on).
         device: "cpu" or "cuda"; None picks CUDA when available.
         skip: (task, length) cells to leave out of this invocation (they stay pending for the next one).
+        runs_per_worker: start a fresh worker process after this many runs (1: one process per run); None
+            keeps each worker for the whole invocation.
+        together: runs a worker trains at the same time (consecutive runs of the sweep's order, one thread
+            each, on CUDA each on its own stream, so their kernels can overlap, which separate processes'
+            kernels cannot without MPS).
 
     Returns:
         The results dict as written.
@@ -226,6 +433,18 @@ def run_sweep(
         "workers": workers,
         "updated": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    invocation = {
+        "started": data["environment"]["updated"],
+        "device": data["environment"]["device"],
+        "gpus": gpus,
+        "workers": workers,
+        "runs_per_worker": runs_per_worker,
+        "together": together,
+        "minutes": 0.0,
+        "runs": 0,
+    }
+    data.setdefault("invocations", []).append(invocation)
     done = {run_key(r) for r in data["runs"]}
     todo = [s for s in run_specs(preset) if run_key(s) not in done and (s["task"], s["seq_len"]) not in skip]
     print(
@@ -233,50 +452,67 @@ def run_sweep(
         flush=True,
     )
     start = time.perf_counter()
-    gpus = torch.cuda.device_count() if device == "cuda" else 0
     if todo and device == "cuda" and preset["mixer"].get("backend") == "triton":
         warm_up_kernels(preset)
 
-    def place(i: int) -> str:
-        return f"cuda:{i % gpus}" if gpus else "cpu"
+    def save() -> None:
+        invocation["minutes"] = round((time.perf_counter() - start) / 60, 3)
+        _write(out, data)
 
-    # One fresh process per run (max_tasks_per_child=1): a run that breaks its CUDA context (an illegal memory
-    # access, say) cannot take later runs down with it. A run that fails is reported with its traceback and
-    # listed under "failed" in the file; the others go on, and the next invocation tries it again.
-    with ProcessPoolExecutor(
-        max_workers=workers, mp_context=torch.multiprocessing.get_context("spawn"), max_tasks_per_child=1
-    ) as pool:
-        pending, submitted = {}, 0
-        while todo or pending:
+    # A run that fails is reported with its traceback and listed under "failed" in the file; the others go on,
+    # and the next invocation tries it again.
+    devices = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(workers)]
+    with RunPool(devices, threads=1, runs_per_worker=runs_per_worker) as pool:
+        while todo or pool.busy():
             out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
-            while todo and len(pending) < workers and not out_of_time:
-                threads = 1  # per process; on a GPU the CPU only launches kernels and samples tasks
-                spec, where = todo.pop(0), place(submitted)
-                pending[pool.submit(run_one, preset, spec, where, threads)] = (spec, where)
-                submitted += 1
-            if not pending:
+            while todo and pool.idle() and not out_of_time:
+                pool.submit(preset, *todo[:together])
+                del todo[:together]
+            if not pool.busy():
                 break
-            finished = next(as_completed(pending))
-            spec, where = pending.pop(finished)
-            data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
-            try:
-                record = finished.result()
-            except Exception as error:  # noqa: BLE001 - recorded, and retried by the next invocation
-                text = "".join(traceback.format_exception(error))
-                print(f"FAILED {spec} on {where}:\n{text}", flush=True)
-                data["failed"].append({**spec, "error": text[-2000:]})
-                _write(out, data)
-                continue
-            data["runs"].append(record)
-            _write(out, data)
-            print(
-                f"[{len(data['runs'])}/{len(data['runs']) + len(todo) + len(pending)}] {record['task']} "
-                f"T={record['seq_len']} {record['mixer']} lr={record['lr']} seed={record['seed']}: "
-                f"acc {record['final_acc']:.3f} ({record['seconds']:.0f} s)",
-                flush=True,
-            )
-    _write(out, data)
+            for outcome in pool.next_results():
+                spec = outcome.spec
+                data["failed"] = [f for f in data.get("failed", []) if run_key(f) != run_key(spec)]
+                if outcome.error is not None:
+                    print(f"FAILED {spec} on {outcome.device}:\n{outcome.error}", flush=True)
+                    data["failed"].append({**spec, "error": outcome.error[-2000:]})
+                    save()
+                    continue
+                record = outcome.record
+                data["runs"].append(record)
+                invocation["runs"] += 1
+                save()
+                print(
+                    f"[{len(data['runs'])}/{len(data['runs']) + len(todo) + pool.busy()}] {record['task']} "
+                    f"T={record['seq_len']} {record['mixer']} lr={record['lr']} seed={record['seed']}: "
+                    f"acc {record['final_acc']:.3f} ({record['seconds']:.0f} s training, {outcome.wall:.0f} s "
+                    f"in all, worker {outcome.pid} after {outcome.run_index} runs)",
+                    flush=True,
+                )
+    save()
     return data
+
+
+def cost(data: dict) -> dict:
+    """What the invocations recorded in a results file cost: `gpu_minutes` (wall minutes times GPUs, summed
+    over the invocations on a GPU), `runs` (runs those invocations finished), `per_run` (GPU-minutes per run),
+    `untracked` (runs in the file from before invocations were recorded), `left` (runs of the preset not in
+    the file) and `left_gpu_minutes` (`left * per_run`; None when no run has been timed)."""
+    invocations = [i for i in data.get("invocations", []) if i["gpus"] > 0]
+    gpu_minutes = sum(i["minutes"] * i["gpus"] for i in invocations)
+    runs = sum(i["runs"] for i in invocations)
+    all_runs = sum(i["runs"] for i in data.get("invocations", []))
+    done = {run_key(r) for r in data["runs"]}
+    left = sum(run_key(sp) not in done for sp in run_specs(data["config"]))
+    per_run = gpu_minutes / runs if runs else None
+    return {
+        "gpu_minutes": gpu_minutes,
+        "runs": runs,
+        "per_run": per_run,
+        "untracked": len(data["runs"]) - all_runs,
+        "left": left,
+        "left_gpu_minutes": None if per_run is None else left * per_run,
+    }
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -362,7 +598,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--skip", nargs="+", default=[], metavar="TASK:LEN", help="cells to leave for a later invocation"
     )
+    parser.add_argument(
+        "--runs-per-worker",
+        type=int,
+        default=None,
+        help="start a fresh worker process after this many runs (1: one per run; default: never)",
+    )
+    parser.add_argument(
+        "--together",
+        type=int,
+        default=1,
+        help="runs a worker trains at the same time (threads, CUDA streams)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
+    parser.add_argument(
+        "--cost", action="store_true", help="report the GPU-minutes recorded in --out and exit"
+    )
     args = parser.parse_args(argv)
     skip = tuple((cell.split(":")[0], int(cell.split(":")[1])) for cell in args.skip)
     if args.dry_run:
@@ -371,6 +622,15 @@ def main(argv: list[str] | None = None) -> None:
         for s in specs:
             print(s)
         return
+    if args.cost:
+        c = cost(load_results(args.out))
+        per_run = "no run timed" if c["per_run"] is None else f"{c['per_run']:.2f} GPU-minutes per run"
+        left = "" if c["left_gpu_minutes"] is None else f", about {c['left_gpu_minutes']:.0f} GPU-minutes"
+        print(
+            f"{args.out}: {c['gpu_minutes']:.1f} GPU-minutes recorded for {c['runs']} runs ({per_run}); "
+            f"{c['untracked']} runs from before invocations were recorded; {c['left']} runs left{left}"
+        )
+        return
     data = run_sweep(
         args.preset,
         args.out,
@@ -378,6 +638,8 @@ def main(argv: list[str] | None = None) -> None:
         max_minutes=args.max_minutes,
         device=args.device,
         skip=skip,
+        runs_per_worker=args.runs_per_worker,
+        together=args.together,
     )
     for row in summarize(data["runs"]):
         print(

@@ -29,6 +29,7 @@ A checkpoint is one safetensors file: the model's tensors (`model.*`), AdamW's m
 import json
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -144,8 +145,11 @@ def masked_loss_and_accuracy(logits: torch.Tensor, batch: TaskBatch) -> tuple[to
     return (ce.view_as(weight) * weight).sum() / count, (hits * weight).sum() / count
 
 
+EVAL_BATCH = 64  # sequences per forward pass of `evaluate`
+
+
 @torch.no_grad()
-def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = 64) -> tuple[float, float]:
+def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = EVAL_BATCH) -> tuple[float, float]:
     """`(loss, token accuracy)` of `model` on `batch`, over the scored positions, in slices of `batch_size`."""
     was_training = model.training
     model.eval()
@@ -159,9 +163,15 @@ def evaluate(model: RecallLM, batch: TaskBatch, batch_size: int = 64) -> tuple[f
     return total_loss / count, correct / count
 
 
+# The initialisation draws from PyTorch's one global generator: two threads building models at once would
+# interleave their draws (chapter 12's sweep trains several runs in one process, a thread each).
+_GLOBAL_RNG = threading.Lock()
+
+
 def build_model(model_config: RecallConfig, seed: int) -> RecallLM:
-    """A `RecallLM` initialised from `torch.manual_seed(seed)`, without touching the caller's random state."""
-    with torch.random.fork_rng(devices=[]):
+    """A `RecallLM` initialised from `torch.manual_seed(seed)`, without touching the caller's random state
+    (one thread at a time)."""
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return RecallLM(model_config)
 
@@ -211,7 +221,11 @@ class _GraphedStep:
         self.batch = TaskBatch(batch.inputs.clone(), batch.targets.clone(), batch.mask.clone())
         optimizer.zero_grad(set_to_none=True)  # the captured backward writes fresh gradients
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Another thread's run (chapter 12's sweep can train several runs in one process) may synchronise or
+        # allocate while this one captures: only this thread's calls must be capturable (thread_local), and the
+        # capture gets a stream of its own (torch.cuda.graph's default capture stream is one per process).
+        capture = torch.cuda.Stream(batch.inputs.device)
+        with torch.cuda.graph(self.graph, stream=capture, capture_error_mode="thread_local"):
             self.loss = train_step(model, optimizer, self.batch, grad_clip)
 
     def __call__(self, batch: TaskBatch) -> torch.Tensor:

@@ -1,0 +1,151 @@
+"""Chapter 12's sweep machinery: persistent workers give each run the numbers it gets alone, replace a worker that
+failed or died, and the results file records what the invocations cost."""
+
+import pytest
+import torch
+
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, cost, run_specs, run_sweep
+
+
+def tiny_preset(lengths: list[int], mixers: list[str], steps: int = 6) -> dict:
+    """A few steps of chapter 12's CPU model on MQAR with 4 keys (float32, PyTorch backend)."""
+    return {
+        **PRESETS["quick"],
+        "train": {"steps": steps, "batch_size": 8, "warmup": 1, "eval_every": 3, "eval_size": 16},
+        "tasks": {"mqar": {"lengths": lengths, "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
+        "mixers": mixers,
+    }
+
+
+def curves(record: dict) -> torch.Tensor:
+    return torch.tensor([[h["train_loss"], h["eval_loss"], h["eval_acc"]] for h in record["history"]])
+
+
+def test_a_run_gives_the_same_numbers_alone_and_after_another_run_in_its_worker():
+    """DeltaNet's run trained in a fresh worker, and again in a worker that has just trained a KDA run with
+    another seed and rate. Same operations on the same data in float32 on the CPU, one thread: the curves agree
+    to 1e-6 relative (a few float32 roundings; in practice they are equal). A leaked random state or thread count
+    changes the initialisation or the summation order, and moves these losses by far more: the KDA run's
+    curves, another model and seed, differ from DeltaNet's by more than 1e-3."""
+    preset = tiny_preset([16], ["deltanet", "kda"])
+    target = {"task": "mqar", "seq_len": 16, "mixer": "deltanet", "lr": 2e-3, "seed": 0}
+    before = {"task": "mqar", "seq_len": 16, "mixer": "kda", "lr": 5e-3, "seed": 1}
+    with RunPool(["cpu"]) as pool:
+        pool.submit(preset, target)
+        alone = pool.next_results()[0]
+    with RunPool(["cpu"]) as pool:
+        pool.submit(preset, before)
+        first = pool.next_results()[0]
+        pool.submit(preset, target)
+        after = pool.next_results()[0]
+    assert alone.error is None and first.error is None and after.error is None
+    assert (after.pid, after.run_index) == (first.pid, 1) and alone.pid != after.pid
+    torch.testing.assert_close(curves(after.record), curves(alone.record), rtol=1e-6, atol=0)
+    assert after.record["final_loss"] == pytest.approx(alone.record["final_loss"], rel=1e-6)
+    assert (curves(first.record) - curves(alone.record)).abs().max() > 1e-3
+
+
+def test_runs_trained_together_in_one_worker_give_the_numbers_they_give_alone():
+    """Two runs of one job train at the same time in one worker (one thread each): each run's curves agree with
+    the same run trained alone in a fresh worker, to 1e-6 relative as above."""
+    preset = tiny_preset([16], ["deltanet", "kda"])
+    specs = [
+        {"task": "mqar", "seq_len": 16, "mixer": m, "lr": 2e-3, "seed": s}
+        for m, s in (("deltanet", 0), ("kda", 1))
+    ]
+    with RunPool(["cpu"]) as pool:
+        pool.submit(preset, *specs)
+        together = pool.next_results()
+        alone = []
+        for spec in specs:
+            pool.submit(preset, spec)
+            alone += pool.next_results()
+    assert [o.spec for o in together] == specs and all(o.error is None for o in together + alone)
+    assert len({o.pid for o in together + alone}) == 1 and [o.run_index for o in alone] == [2, 3]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(curves(a.record), curves(b.record), rtol=1e-6, atol=0)
+    assert pool.busy() == 0 and pool.idle() == 1
+
+
+def test_the_pool_replaces_a_worker_whose_run_failed_or_that_died():
+    """A run that raises (MQAR at T = 64 needs 8 keys, the preset has 4) comes back with its traceback and
+    retires its worker; the next run gets a fresh process, the one after reuses it until `runs_per_worker`;
+    a worker killed during a run comes back as a failed run naming its exit code."""
+    preset = tiny_preset([16, 64], ["linear_attention"], steps=2)
+    ok, bad = (
+        {"task": "mqar", "seq_len": t, "mixer": "linear_attention", "lr": 2e-3, "seed": 0} for t in (16, 64)
+    )
+    with RunPool(["cpu"], runs_per_worker=2) as pool:
+        pool.submit(preset, bad)
+        failed = pool.next_results()[0]
+        outcomes = []
+        for _ in range(3):
+            pool.submit(preset, ok)
+            outcomes.append(pool.next_results()[0])
+        pool.submit(preset, ok)
+        pool.slots[0].process.kill()
+        died = pool.next_results()[0]
+    assert failed.record is None and "num_keys" in failed.error
+    assert all(o.error is None for o in outcomes)
+    assert [o.run_index for o in outcomes] == [0, 1, 0]
+    assert failed.pid != outcomes[0].pid == outcomes[1].pid != outcomes[2].pid
+    assert died.record is None and "died during the run (exit code -9)" in died.error and died.spec == ok
+    with pytest.raises(ValueError, match="runs_per_worker"):
+        RunPool(["cpu"], runs_per_worker=0)
+
+
+def test_the_sweep_records_its_invocations_and_reports_their_cost(tmp_path, monkeypatch):
+    """Each invocation adds its minutes, GPUs and finished runs to the file (here two runs trained together as
+    one job); `cost` sums the GPU ones and prices the runs left at their mean. On the CPU no GPU-minutes count."""
+    monkeypatch.setitem(
+        PRESETS, "tiny", {**tiny_preset([16, 32], ["linear_attention"], steps=2), "lrs": [2e-3, 5e-3]}
+    )
+    out = tmp_path / "sweep.json"
+    data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),), together=2)
+    assert len(run_specs(PRESETS["tiny"])) == 4
+    assert sorted((r["seq_len"], r["lr"]) for r in data["runs"]) == [(16, 2e-3), (16, 5e-3)]
+    assert [(i["runs"], i["gpus"], i["together"]) for i in data["invocations"]] == [(2, 0, 2)]
+    assert data["invocations"][0]["minutes"] > 0
+    assert cost(data) == {
+        "gpu_minutes": 0, "runs": 0, "per_run": None, "untracked": 0, "left": 2, "left_gpu_minutes": None
+    }  # fmt: skip
+    data["invocations"] = [
+        {**data["invocations"][0], "gpus": 2, "minutes": 3.0, "runs": 1},
+        {**data["invocations"][0], "gpus": 0, "minutes": 9.0, "runs": 0},
+    ]
+    data["runs"] = data["runs"] + data["runs"]  # four in the file, one of them from a recorded invocation
+    c = cost(data)
+    assert (c["gpu_minutes"], c["runs"], c["per_run"], c["untracked"], c["left"]) == (6.0, 1, 6.0, 3, 2)
+    assert c["left_gpu_minutes"] == pytest.approx(12.0)
+
+
+def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
+    """Triton compiles a kernel once per class of its integer arguments (equal to 1, divisible by 16, other;
+    asked of Triton itself here). The kernels' integer arguments are the length T, the heads and head sizes, and
+    the number of chunks in the launch, batch x ceil(T / 64). Every launch of a GPU run (its training batch and
+    its evaluation slices, at each length) falls in a class the warm-up launches; a warm-up at a batch of 2 and
+    128 tokens (what the sweep compiled before) matches none, so each worker compiled its own kernels."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.compiler import BaseBackend
+
+    from kda_edu.chapters.ch12_recall_sweep import task_for, warm_up_shapes
+    from kda_edu.kernels.chunk import chunk_layout
+    from kda_edu.training.train import EVAL_BATCH
+
+    def variant(batch: int, length: int) -> tuple:
+        _, nch, _, _ = chunk_layout(length, batch, chunk=PRESETS["gpu"]["mixer"]["chunk_size"])
+        return tuple(
+            libtriton.native_specialize_impl(BaseBackend, n, False, True, True) for n in (length, nch)
+        )
+
+    preset = PRESETS["gpu"]
+    warmed = {variant(b, n) for b, n in warm_up_shapes(preset)}
+    launched = set()
+    for name, length in {(spec["task"], spec["seq_len"]) for spec in run_specs(preset)}:
+        task = task_for(name, length, preset["tasks"][name])
+        train_batch = task.sample(preset["train"]["batch_size"], 0).inputs.shape
+        held_out = task.sample(preset["train"]["eval_size"], 1).inputs
+        slices = [held_out[i : i + EVAL_BATCH].shape for i in range(0, held_out.shape[0], EVAL_BATCH)]
+        launched |= {variant(*shape) for shape in [train_batch, *slices]}
+    assert launched <= warmed
+    assert not launched & {variant(2, 128)}

@@ -223,7 +223,13 @@ def decode_throughput(
 
 
 def mla_append_seconds(
-    layer, history: int, appended: int, mode: str, batch: int = 1, repeats: int = 3, threads: int | None = None
+    layer,
+    history: int,
+    appended: int,
+    mode: str,
+    batch: int = 1,
+    repeats: int = 3,
+    threads: int | None = None,
 ) -> float:
     """Seconds for one MLA layer to append `appended` tokens to a cache of `history` latents, in `mode`.
 

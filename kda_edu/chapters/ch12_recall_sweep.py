@@ -31,6 +31,7 @@ import statistics
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import wait
@@ -133,10 +134,8 @@ def run_key(spec: dict) -> tuple:
     return (spec["task"], spec["seq_len"], spec["mixer"], spec["lr"], spec["seed"])
 
 
-def run_one(preset: dict, spec: dict, device: str = "cpu", threads: int | None = None) -> dict:
+def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
     """Train one run of a preset and return its record (configs, accuracy curve, wall time)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
     task = task_for(spec["task"], spec["seq_len"], preset["tasks"][spec["task"]])
     mixer = MixerConfig(kind=spec["mixer"], **preset["mixer"])
     model_config = RecallConfig(vocab_size=task.vocab_size, mixer=mixer, **preset["model"])
@@ -187,11 +186,12 @@ class RunOutcome:
 def _run_caught(preset: dict, spec: dict, device: str) -> tuple[dict | None, str | None]:
     """`(run_one's record, None)`, or `(None, traceback)`; on CUDA the run's work goes to a stream of its own,
     so the runs of a group (one thread each) can share the GPU at once."""
+    own_stream = (
+        torch.cuda.stream(torch.cuda.Stream(device)) if str(device).startswith("cuda") else nullcontext()
+    )
     try:
-        if str(device).startswith("cuda"):
-            with torch.cuda.stream(torch.cuda.Stream(device)):
-                return run_one(preset, spec, device), None
-        return run_one(preset, spec, device), None
+        with own_stream:
+            return run_one(preset, spec, device), None
     except Exception as error:  # noqa: BLE001 - reported to the sweep, which records it
         return None, "".join(traceback.format_exception(error))
 

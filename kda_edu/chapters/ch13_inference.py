@@ -237,13 +237,9 @@ def mla_append_seconds(
     CPU, `threads` sets PyTorch's thread count for the timing (None: leave it alone); it is restored after.
     """
     param = next(layer.parameters())
+    before = torch.get_num_threads()
     if threads is not None and param.device.type == "cpu":
-        before = torch.get_num_threads()
         torch.set_num_threads(threads)
-        try:
-            return mla_append_seconds(layer, history, appended, mode, batch, repeats, threads=None)
-        finally:
-            torch.set_num_threads(before)
     generator = torch.Generator(device=param.device).manual_seed(0)
     base = torch.randn(
         batch, history, layer.config.cache_width, generator=generator, device=param.device, dtype=param.dtype
@@ -253,15 +249,18 @@ def mla_append_seconds(
     )
     cache = layer.new_cache()
     best = math.inf
-    with torch.no_grad():
-        for i in range(repeats + 1):
-            cache.latent = base
-            _sync(param.device)
-            start = time.perf_counter()
-            layer(x, cache=cache, mode=mode)
-            _sync(param.device)
-            if i > 0:
-                best = min(best, time.perf_counter() - start)
+    try:
+        with torch.no_grad():
+            for i in range(repeats + 1):
+                cache.latent = base
+                _sync(param.device)
+                start = time.perf_counter()
+                layer(x, cache=cache, mode=mode)
+                _sync(param.device)
+                if i > 0:
+                    best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
     return best
 
 

@@ -44,7 +44,7 @@ import torch.nn as nn
 from kda_edu.backend import check_backend, use_triton
 from kda_edu.layers.ffn import SwiGLU
 from kda_edu.layers.kda_layer import GatedRMSNorm, KDAConfig, KDALayer, ShortConv, init_gate_parameters
-from kda_edu.models.model import Block
+from kda_edu.models.model import Block, init_projections_
 from kda_edu.ops.attention import softmax_attention
 from kda_edu.ops.delta_rule import delta_rule_chunked
 from kda_edu.ops.gated_delta import gated_delta_chunked
@@ -306,11 +306,7 @@ class RecallLM(nn.Module):
         """Normal(0, init_std) projections and embedding (the gates keep their own initialisation); the
         projections into the residual stream are scaled by `1 / sqrt(2 n_layers)`, as in `HybridLM`."""
         std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+        init_projections_(self, std)
         for block in self.blocks:
             for proj in (block.mixer.output_projection, block.ffn.down_proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layers))

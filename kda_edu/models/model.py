@@ -191,6 +191,17 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+@torch.no_grad()
+def init_projections_(module: nn.Module, std: float) -> None:
+    """Normal(0, std) weights for every `nn.Linear` and `nn.Embedding` inside `module`, zero `nn.Linear` biases;
+    other parameters (gates, convolutions, norms) are left as their layers initialised them."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
 def hybrid_block(config: HybridConfig, kind: str, dense: bool = False) -> Block:
     """A block of a `HybridLM`: a `KDALayer` ("K") or an `MLA` ("A") mixer, and a dense SwiGLU of width
     `config.ffn.hidden` when `dense`, else the feed-forward layer `config.ffn` asks for."""
@@ -239,11 +250,7 @@ class HybridLM(nn.Module):
         specific parameters (gates, convolutions, norms, the zero pseudo-queries) keep their own initialisation.
         """
         std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+        init_projections_(self, std)
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         for block in self.blocks:
             nn.init.normal_(block.mixer.o_proj.weight, mean=0.0, std=residual_std)

@@ -66,7 +66,6 @@ def gate_gradient_probe(model, batch: TaskBatch, low: float = -5.0) -> list[dict
     mixers = _gated_mixers(model)
     if not mixers:
         raise ValueError("model has no mixer with a per-head gate (kinds 'gated_deltanet', 'decay_only')")
-    was_training = model.training
     path = _gradients(model, batch)
 
     reference = copy.deepcopy(model).double()
@@ -77,7 +76,6 @@ def gate_gradient_probe(model, batch: TaskBatch, low: float = -5.0) -> list[dict
             lambda module, args, name=name: inputs.__setitem__(name, args[0].detach())
         )
     ref = _gradients(reference, batch)
-    model.train(was_training)
 
     rows = []
     for name, mixer in _gated_mixers(reference):

@@ -26,7 +26,7 @@ TASK = MQAR(seq_len=32, num_pairs=4, num_keys=8, num_values=8)
 
 def test_float32_gradients_are_within_float32_rounding_of_the_reference():
     """A float32 PyTorch model: every gate gradient within 1e-4 of float64 (float32 rounding over a few hundred
-    operations, with margin), gate values <= 0, and one row per layer and head."""
+    operations, with margin) but not equal to it, gate values <= 0, and one row per layer and head."""
     model = _model("torch")
     rows = gate_gradient_probe(model, TASK.sample(8, seed=1))
     assert [(r["layer"], r["head"]) for r in rows] == [
@@ -35,7 +35,8 @@ def test_float32_gradients_are_within_float32_rounding_of_the_reference():
     for r in rows:
         assert r["g_min"] <= r["g_mean"] <= 0 and 0 <= r["share_below_low"] <= 1
         for name in ("A_log", "dt_bias", "f_proj.weight"):
-            assert r[f"{name} ref norm"] > 0 and r[f"{name} rel error"] < 1e-4, (r, name)
+            # above 0: the reference is float64, so float32 rounding shows (measured 3e-7 .. 4e-6)
+            assert r[f"{name} ref norm"] > 0 and 1e-9 < r[f"{name} rel error"] < 1e-4, (r, name)
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
 
 

@@ -99,9 +99,9 @@ def main() -> None:
                 f"{worst['g_mean']:.2f}, min {worst['g_min']:.2f})",
                 flush=True,
             )
-    record["seconds"] = round(time.perf_counter() - t0, 1)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+            record["seconds"] = round(time.perf_counter() - t0, 1)
+            with open(args.out, "w") as f:  # after every segment: a run cut short keeps its probes
+                json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import sys
+import time
 
 import torch
 import triton
@@ -83,6 +84,7 @@ def main():
         shapes=[],
     )
     passed = []
+    start = time.perf_counter()
     for name, (launcher, change) in LADDER.items():
         step = dict(name=name, change=change, resources={})
         try:  # a version that fails to compile or to run is recorded, and the others still run
@@ -103,15 +105,20 @@ def main():
         result["steps"].append(step)
         print(
             f"{name}: {step.get('errors', step.get('failure'))} -> {'passed' if step['passed'] else 'FAILED, not timed'}; "
-            f"{step['resources']}",
+            f"{step['resources']} ({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
     for B, T, H in SHAPES:
         x = make_inputs(B, T, H)
         call = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128**-0.5, None, False]
-        row = dict(B=B, T=T, H=H, ms={})
+        row = dict(B=B, T=T, H=H, ms={}, first_call_s={})
         for name in passed:
             launcher = LADDER[name][0]
+            start = time.perf_counter()  # the first call at this shape: compiling (a new T) and one run
+            launcher(*call)
+            torch.cuda.synchronize()
+            row["first_call_s"][name] = round(time.perf_counter() - start, 2)
+            print(f"  {name} first call at B={B} T={T} H={H}: {row['first_call_s'][name]} s", flush=True)
             row["ms"][name] = do_bench(lambda f=launcher, a=call: f(*a), return_mode="median")
         result["shapes"].append(row)
         print(
@@ -119,10 +126,10 @@ def main():
         )
         del x, call
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:  # after every shape: a call cut short keeps what it measured
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
     if len(passed) < len(LADDER):
         sys.exit(1)
 

@@ -134,14 +134,17 @@ def masked_loss_and_accuracy(logits: torch.Tensor, batch: TaskBatch) -> tuple[to
         batch: the `TaskBatch` the logits were computed from.
 
     Returns:
-        `(loss, accuracy)`, two scalar tensors; the loss carries the gradient.
+        `(loss, accuracy)`, two scalar tensors; the loss carries the gradient. Computed in float32, or in
+        float64 for float64 logits (a float64 model's gradients, as `kda_edu.training.probes` uses them, must
+        not pass through a float32 loss).
     """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     # Weighted by the mask rather than indexed with it: indexing would make the CPU wait for the GPU to count
     # the scored positions, which a CUDA graph cannot hold.
-    weight = batch.mask.float()
+    weight = batch.mask.to(dtype)
     count = weight.sum()
-    ce = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none")
-    hits = (logits.argmax(dim=-1) == batch.targets).float()
+    ce = F.cross_entropy(logits.to(dtype).flatten(0, 1), batch.targets.flatten(), reduction="none")
+    hits = (logits.argmax(dim=-1) == batch.targets).to(dtype)
     return (ce.view_as(weight) * weight).sum() / count, (hits * weight).sum() / count
 
 

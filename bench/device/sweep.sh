@@ -1,6 +1,6 @@
 # Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
 # Runs not started by MAX_MINUTES stay pending; runs still going at TIMEOUT_S are lost. Logs and results go to $OUT.
-# SWEEP_OPTS (environment) adds options, e.g. SWEEP_OPTS="--together 2"; the log ends with --cost's line.
+# SWEEP_OPTS (environment) adds options, e.g. SWEEP_OPTS="--runs-per-worker 20"; the log ends with --cost's line.
 source bench/device/env.sh
 GPU=$1; WORKERS=$2; MAXMIN=$3; TMO=$4; shift 4
 TAG=${GPU//,/_}  # file names that come back from $OUT: letters, digits, . _ - only

@@ -55,7 +55,7 @@ PRESETS = {
             "palindrome": {"lengths": [16, 32], "num_symbols": 16},
             "stack": {"lengths": [32, 64], "num_stacks": 4, "num_values": 16},
         },
-        "mixers": list(KINDS),
+        "mixers": [*KINDS, "decay_only"],
         "seeds": [0, 1, 2],
         "lrs": [2e-3, 5e-3],
     },
@@ -89,7 +89,7 @@ PRESETS = {
             "palindrome": {"lengths": [64, 128, 256], "num_symbols": 16},
             "stack": {"lengths": [256, 512, 1024], "num_stacks": 16, "num_values": 16},
         },
-        "mixers": list(KINDS),
+        "mixers": [*KINDS, "decay_only"],
         "seeds": [0, 1],
         "lrs": [1e-3, 3e-3],
     },
@@ -132,6 +132,23 @@ def run_specs(preset: dict) -> list[dict]:
 
 def run_key(spec: dict) -> tuple:
     return (spec["task"], spec["seq_len"], spec["mixer"], spec["lr"], spec["seed"])
+
+
+def needs_rerun(run: dict) -> bool:
+    """A KDA run trained under the old weight-decay rule, which decayed its `[H, K]` dt_bias (the runs without
+    `undecayed_gate_parameters`): it counts as pending, and its re-run replaces it (the old record moves to
+    the file's "superseded" list). The other mixers' gate parameters are vectors, which neither rule decayed."""
+    return run["mixer"] == "kda" and "undecayed_gate_parameters" not in run
+
+
+def _grows(old: dict, new: dict) -> bool:
+    """Whether preset configuration `new` is `old` with more seeds and/or more mixers (a sweep may go on)."""
+    rest = {k: v for k, v in old.items() if k not in ("seeds", "mixers")}
+    return (
+        rest == {k: v for k, v in new.items() if k not in ("seeds", "mixers")}
+        and set(old["seeds"]) <= set(new["seeds"])
+        and set(old["mixers"]) <= set(new["mixers"])
+    )
 
 
 def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
@@ -271,6 +288,13 @@ class RunPool:
         slot = next((s for s in self.slots if s.job is None), None)
         if slot is None:
             raise RuntimeError("RunPool.submit: every worker is busy; call next_results first")
+        if len(specs) > 1 and slot.device.startswith("cuda") and preset["train"].get("cuda_graph"):
+            # Measured on the H200 (bench/NOTES.md, session 10): two threads capturing CUDA graphs at once
+            # invalidate each other's capture (cudaErrorStreamCaptureInvalidated), so every run fails.
+            raise ValueError(
+                "runs trained together (--together > 1) cannot replay CUDA graphs: their captures, one per "
+                "thread, invalidate each other; use more workers instead, or a preset with cuda_graph off"
+            )
         if slot.process is None:
             slot.conn, child = self.context.Pipe()
             slot.process = self.context.Process(target=_work, args=(child, self.threads), daemon=True)
@@ -423,10 +447,9 @@ def run_sweep(
     data = {"preset": preset_name, "config": preset, "runs": []}
     if out.exists():
         data = load_results(out)
-        same = {k: v for k, v in json.loads(json.dumps(preset)).items() if k != "seeds"}
-        if data["preset"] != preset_name or {k: v for k, v in data["config"].items() if k != "seeds"} != same:
+        if data["preset"] != preset_name or not _grows(data["config"], json.loads(json.dumps(preset))):
             raise ValueError(f"{out} holds another preset or configuration; pass another --out")
-        data["config"] = preset  # more seeds may be added to a finished sweep
+        data["config"] = preset  # more seeds or mixers may be added to a finished sweep
     data["environment"] = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()})",
@@ -445,7 +468,7 @@ def run_sweep(
         "runs": 0,
     }
     data.setdefault("invocations", []).append(invocation)
-    done = {run_key(r) for r in data["runs"]}
+    done = {run_key(r) for r in data["runs"] if not needs_rerun(r)}
     todo = [s for s in run_specs(preset) if run_key(s) not in done and (s["task"], s["seq_len"]) not in skip]
     print(
         f"{preset_name}: {len(done)} runs done, {len(todo)} to go, {workers} worker(s) on {device}",
@@ -479,7 +502,9 @@ def run_sweep(
                     save()
                     continue
                 record = outcome.record
-                data["runs"].append(record)
+                old = [r for r in data["runs"] if run_key(r) == run_key(record)]
+                data.setdefault("superseded", []).extend(old)
+                data["runs"] = [r for r in data["runs"] if run_key(r) != run_key(record)] + [record]
                 invocation["runs"] += 1
                 save()
                 print(
@@ -502,7 +527,7 @@ def cost(data: dict) -> dict:
     gpu_minutes = sum(i["minutes"] * i["gpus"] for i in invocations)
     runs = sum(i["runs"] for i in invocations)
     all_runs = sum(i["runs"] for i in data.get("invocations", []))
-    done = {run_key(r) for r in data["runs"]}
+    done = {run_key(r) for r in data["runs"] if not needs_rerun(r)}
     left = sum(run_key(sp) not in done for sp in run_specs(data["config"]))
     per_run = gpu_minutes / runs if runs else None
     return {
@@ -539,7 +564,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "accs": accs,
             }
         )
-    order = {k: i for i, k in enumerate(KINDS)}
+    order = {k: i for i, k in enumerate(LABELS)}  # decay-only beside linear attention
     return sorted(rows, key=lambda r: (r["task"], r["seq_len"], order.get(r["mixer"], len(order))))
 
 
@@ -573,7 +598,7 @@ def accuracy_curve(
 def markdown_table(summary: list[dict]) -> str:
     """The summary as a Markdown table: one row per task and length, one column per mixer, cells
     `mean [min, max]` of the final accuracy at the best rate."""
-    mixers = [k for k in KINDS if any(r["mixer"] == k for r in summary)]
+    mixers = [k for k in LABELS if any(r["mixer"] == k for r in summary)]
     cells = {(r["task"], r["seq_len"], r["mixer"]): r for r in summary}
     lines = [
         "| task | T | " + " | ".join(LABELS[m] for m in mixers) + " |",

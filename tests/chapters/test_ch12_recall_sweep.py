@@ -1,6 +1,8 @@
 """Chapter 12's sweep machinery: persistent workers give each run the numbers it gets alone, replace a worker that
 failed or died, and the results file records what the invocations cost."""
 
+import json
+
 import pytest
 import torch
 
@@ -149,3 +151,42 @@ def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
         launched |= {variant(*shape) for shape in [train_batch, *slices]}
     assert launched <= warmed
     assert not launched & {variant(2, 128)}
+
+
+def test_a_sweep_goes_on_with_more_mixers_and_reruns_kda_runs_of_the_old_weight_decay(tmp_path, monkeypatch):
+    """A file of a preset that later gained a mixer continues (another learning rate is refused); a KDA run
+    recorded without `undecayed_gate_parameters` (trained when weight decay took in its [H, K] dt_bias) is
+    pending: `cost` counts it as left, the next invocation trains it again, and the new record replaces it
+    while the old one moves to "superseded"."""
+    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16], ["kda"], steps=2))
+    out = tmp_path / "sweep.json"
+    first = run_sweep("tiny", out, workers=1, device="cpu")
+    (old,) = first["runs"]
+    assert cost(first)["left"] == 0
+    del old["undecayed_gate_parameters"]  # as the GPU sweep's first KDA runs were recorded
+    old["final_acc"] = -1.0  # a marker the re-run cannot reproduce
+    out.write_text(json.dumps(first))
+    assert cost(json.loads(out.read_text()))["left"] == 1
+
+    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16], ["kda", "decay_only"], steps=2))
+    data = run_sweep("tiny", out, workers=1, device="cpu")
+    assert sorted(r["mixer"] for r in data["runs"]) == ["decay_only", "kda"]
+    assert all(
+        r["undecayed_gate_parameters"] == ["A_log", "dt_bias"] and r["final_acc"] >= 0 for r in data["runs"]
+    )
+    assert [r["final_acc"] for r in data["superseded"]] == [-1.0]
+    assert cost(data)["left"] == 0 and [i["runs"] for i in data["invocations"]] == [1, 2]
+
+    monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "lrs": [1e-3]})
+    with pytest.raises(ValueError, match="another preset or configuration"):
+        run_sweep("tiny", out, workers=1, device="cpu")
+
+
+def test_runs_together_with_cuda_graphs_are_refused_before_any_worker_starts():
+    """Two threads capturing CUDA graphs at once fail on the GPU (measured on the H200), so a group of runs with
+    the GPU preset's graphs is refused with the reason, before a worker process is started."""
+    specs = run_specs(PRESETS["gpu"])[:2]
+    pool = RunPool(["cuda:0"])
+    with pytest.raises(ValueError, match="cannot replay CUDA graphs"):
+        pool.submit(PRESETS["gpu"], *specs)
+    assert pool.slots[0].process is None and pool.idle() == 1  # nothing was started

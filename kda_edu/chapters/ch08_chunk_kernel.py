@@ -11,17 +11,30 @@
 - `design_traffic` and `design_flops` count what the two kernels move and compute per token and head.
 - `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
   `kda_edu.book.bench_result`).
+- `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor by registers;
+  `fixed_cost_lengths` finds where a sweep's time stops growing with T (a fixed cost per call dominates).
+- `hopper_instructions` compiles kernels for the H200 (sm_90) without a GPU and counts the tensor-core
+  instructions and TMA copies in their PTX: chunk_kda's two, and `tile_product` (one product) and
+  `tile_product_tma` (the same through tensor descriptors). `block_pointer_copy` runs a kernel written with
+  block pointers, to see whether the installed Triton still accepts them.
 - `LADDER` lists the versions of the forward the chapter builds, from `ch08_chunk_v0` to the kernels of
   `kda_edu.kernels.chunk`, each with its launcher and what it changed; bench/kernels/bench_ch08_ladder.py
   checks and times every entry.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from kda_edu.chapters.ch08_chunk_v0 import v0_forward
+from kda_edu.kernels._backend import jit
 from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_kda_fwd, chunk_layout, pow2, prepare_chunks
 from kda_edu.ops._chunks import chunk_inputs
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
@@ -300,3 +313,144 @@ def plot_rates(axes, bench: dict) -> None:
         ax.set_yscale("log")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=8)
     axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def fixed_cost_lengths(T: list[int], t: list[float], growth: float = 1.5) -> list[int]:
+    """The lengths of a sweep (T doubling from one length to the next) up to the first doubling that grows
+    the time `t` by more than `growth`: where a cost per call that does not depend on T dominates.
+
+    A time proportional to T doubles with T, a fixed cost does not grow at all; `growth` = 1.5 lies halfway.
+    """
+    if any(b != 2 * a for a, b in zip(T[:-1], T[1:], strict=True)):
+        raise ValueError(f"the lengths must double from one to the next, got {T}")
+    n = 1
+    while n < len(T) and t[n] <= growth * t[n - 1]:
+        n += 1
+    return T[:n]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The H200: how many programs fit, and which instructions the compiler picks
+
+# 132 multiprocessors; per multiprocessor (compute capability 9.0) 65,536 registers and at most 64 warps.
+H200 = dict(sms=132, registers_per_sm=65536, warps_per_sm=64, warp=32)
+
+
+def programs_per_sm(regs: int, warps: int, registers_per_sm: int = H200["registers_per_sm"]) -> int:
+    """Programs of a kernel compiled to `regs` registers per thread, `warps` warps per program, that one
+    multiprocessor's register file holds at once (registers are given out per warp, rounded up to 8 per thread)."""
+    per_warp = math.ceil(regs / 8) * 8 * H200["warp"]
+    return registers_per_sm // (per_warp * warps)
+
+
+@jit
+def tile_product(a, b, c, M: tl.constexpr, N: tl.constexpr, KK: tl.constexpr):
+    """c = a @ b for one tile: a [M, KK], b [KK, N] (16-bit), c [M, N] float32, all row-major."""
+    m, n, kk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, KK)
+    x = tl.load(a + m[:, None] * KK + kk[None, :])
+    y = tl.load(b + kk[:, None] * N + n[None, :])
+    tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
+
+
+@jit
+def tile_product_tma(a, b, c, M: tl.constexpr, N: tl.constexpr, KK: tl.constexpr):
+    """`tile_product` with its two loads through tensor descriptors (`tl.make_tensor_descriptor`), which on a
+    GPU with a TMA become copies by the TMA unit."""
+    x = tl.make_tensor_descriptor(a, shape=[M, KK], strides=[KK, 1], block_shape=[M, KK]).load([0, 0])
+    y = tl.make_tensor_descriptor(b, shape=[KK, N], strides=[N, 1], block_shape=[KK, N]).load([0, 0])
+    m, n = tl.arange(0, M), tl.arange(0, N)
+    tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
+
+
+@jit
+def _copy_block_ptr(src, dst, M: tl.constexpr, N: tl.constexpr):
+    """dst = src for one [M, N] row-major tile, loaded through a block pointer (`tl.make_block_ptr`)."""
+    x = tl.load(
+        tl.make_block_ptr(src, shape=(M, N), strides=(N, 1), offsets=(0, 0), block_shape=(M, N), order=(1, 0))
+    )
+    m, n = tl.arange(0, M), tl.arange(0, N)
+    tl.store(dst + m[:, None] * N + n[None, :], x)
+
+
+def block_pointer_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of the 2-D tile `x` (sides powers of two, at least 16) made by a kernel written with block
+    pointers; raises whatever the installed Triton raises for them."""
+    out = torch.empty_like(x)
+    _copy_block_ptr[(1,)](x.contiguous(), out, M=x.shape[0], N=x.shape[1])
+    return out
+
+
+# What to look for in the PTX: Hopper's warpgroup products, the mma.sync products every GPU since Ampere has,
+# and the TMA's bulk tensor copies.
+PTX_COUNTS = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync", "TMA copies": "cp.async.bulk.tensor"}
+
+_BF16_IN = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16")
+_BF16_MID = dict(w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
+
+
+def _compile_specs(K: int = 128, V: int = 128) -> dict:
+    """The two kernels of `chunk_kda_fwd` as it launches them for bfloat16 inputs with K = V = 128 (4 warps,
+    32 key columns per step, a scan of 32 value columns with two pipeline stages; no state, no cu_seqlens)."""
+    ints = dict.fromkeys(["T", "H", "HV", "K", "V", "NT", "NCH"], "i32")
+    prepare = dict(
+        signature={**_BF16_IN, **_BF16_MID, "x_inv": "*fp32", "chunks": "*i32", **ints, "scale": "fp32"},
+        constexprs=dict(
+            BT=CHUNK, BC=SUB, BK=K, BV=V, KC=32, VC=32, PREC="tf32", IS_VARLEN=False, STORE_X=False
+        ),
+        options=dict(num_warps=4),
+    )
+    ints.pop("H")
+    scan = dict(
+        signature={**_BF16_MID, "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
+                   "chunk_offsets": "*i32", **ints},
+        constexprs=dict(BT=CHUNK, BK=K, BVP=V, BV=32, USE_H0=False, STORE_HT=False, PREC="tf32", IS_VARLEN=False),
+        options=dict(num_warps=4, num_stages=2),
+    )  # fmt: skip
+    return {"prepare": prepare, "scan": scan}
+
+
+def _count_sm90(job: dict) -> dict[str, int]:
+    """Compile one kernel for sm_90 (in a process where kda_edu builds compiled kernels) and count PTX_COUNTS."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kda_edu.kernels.chunk import KERNELS
+
+    if job["kernel"] in ("tile_product", "tile_product_tma"):
+        kernel = tile_product if job["kernel"] == "tile_product" else tile_product_tma
+        spec = dict(
+            signature=dict(a="*bf16", b="*bf16", c="*fp32"),
+            constexprs=dict(M=job["M"], N=job["N"], KK=job["K"]),
+            options=dict(num_warps=job["warps"]),
+        )
+    else:
+        kernel, spec = KERNELS[job["kernel"]], _compile_specs()[job["kernel"]]
+    signature = spec["signature"] | dict.fromkeys(spec["constexprs"], "constexpr")
+    source = ASTSource(fn=kernel, signature=signature, constexprs=spec["constexprs"])
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"]).asm["ptx"]
+    return {name: ptx.count(pattern) for name, pattern in PTX_COUNTS.items()}
+
+
+def hopper_instructions(jobs: list[dict]) -> list[dict[str, int]]:
+    """Compile kernels for the H200 (sm_90) without a GPU and count, in each one's PTX, the instructions of
+    `PTX_COUNTS`. A job is `{"kernel": "prepare"}` or `{"kernel": "scan"}` (chunk_kda's kernels as
+    `_compile_specs` launches them) or `{"kernel": "tile_product", "M": .., "N": .., "K": .., "warps": ..}` (or `"tile_product_tma"`).
+
+    The compiler runs in a fresh Python: where there is no GPU this process builds kda_edu's kernels for the
+    interpreter, which cannot be compiled; the fresh one is told to build them as on a GPU machine
+    (`kda_edu.backend.INTERPRET = False` before `kda_edu.kernels` is imported). Nothing is launched.
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    code = (
+        "import json, sys; import kda_edu.backend as b; b.INTERPRET = False\n"
+        "from kda_edu.chapters.ch08_chunk_kernel import _count_sm90\n"
+        "print(json.dumps([_count_sm90(job) for job in json.loads(sys.argv[1])]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(jobs)], env=env, capture_output=True, text=True, check=False
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"compiling for sm_90 failed:\n{run.stderr[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -100,3 +100,30 @@ def test_benchmark_file_and_crossover():
     assert x is None or T[0] < x < T[-1]
     assert math.isclose(ck.crossover([1.0, 4.0], [2.0, 8.0], [1.0, 16.0]), 2.0)  # 2 T meets T^2 at T = 2
     assert ck.crossover([1.0, 4.0], [2.0, 8.0], [1.0, 4.0]) is None
+
+
+def test_fixed_cost_lengths_flat_then_linear():
+    T = [1024 * 2**i for i in range(6)]
+    flat_then_linear = [1.0, 0.9, 1.0, 1.1, 2.2, 4.4]
+    assert ck.fixed_cost_lengths(T, flat_then_linear) == T[:4]
+    assert ck.fixed_cost_lengths(T, [0.1 * 2**i for i in range(6)]) == T[:1]  # linear from the start
+    assert ck.fixed_cost_lengths(T, [1.0] * 6) == T  # never grows
+    with pytest.raises(ValueError, match="double"):
+        ck.fixed_cost_lengths([1024, 3072], [1.0, 1.0])
+
+
+def test_programs_per_sm():
+    assert ck.programs_per_sm(255, 4) == 2  # 256 x 128 = 32768 registers: half the file
+    assert ck.programs_per_sm(96, 4) == 5
+    assert ck.programs_per_sm(128, 4) == 4 and ck.programs_per_sm(129, 4) == 3  # rounded up to 136
+    assert ck.programs_per_sm(32, 1) == 64
+
+
+def test_hopper_instructions_of_one_product():
+    """Offline sm_90 compile: a 64-row tile at 4 warps is a warpgroup product, 16 rows per-warp ones."""
+    jobs = [dict(kernel="tile_product", M=m, N=32, K=64, warps=4) for m in (16, 64)]
+    jobs.append(dict(kernel="tile_product_tma", M=64, N=32, K=64, warps=4))
+    small, large, tma = ck.hopper_instructions(jobs)
+    assert small["wgmma"] == 0 and small["mma.sync"] > 0
+    assert large["wgmma"] > 0 and large["mma.sync"] == 0
+    assert large["TMA copies"] == 0 and tma["TMA copies"] > 0

@@ -9,14 +9,9 @@
   the backward spends recomputing them instead.
 - `outputs_and_grads` / `per_sequence_grads`: the same for one packed variable-length row (`cu_seqlens`) and
   for each of its sequences run alone, to show that packing changes nothing.
-- `kernel_split`, `backward_memory`, `versus`: reading the forward + backward benchmark: which kernel the time
-  goes to, and which buffer the peak memory goes to. `measured_backward` says which backward a file measured:
-  `bench/results/h200_fwd_bwd.json` the backward before the key-block split (its own prepare kernel, one
-  profile of the whole step; all three shapes and the peak memory), `bench/results/h200_fwd_bwd_split.json`
-  the current one (one profile per pass; the first shape only, its "build" and "note_partial" say which
-  commit and what is missing). Both readers accept both formats.
-- `kernel_groups` (a profile in six groups), `decode_bytes`, and the plotting helpers for the decode and
-  forward + backward benchmarks (`plot_backward_builds`: our step kernel group by kernel group, file by file).
+- `backward_memory`: the buffers the Triton backward allocates, kernel after kernel, and its peak; `versus`,
+  `versus_range`: time ratios in words; `decode_bytes`, and the figures of the decode and forward + backward
+  benchmarks (`plot_decode`, `plot_fwd_bwd`).
 """
 
 from typing import NamedTuple
@@ -339,7 +334,6 @@ def versus_range(ratios, digits: int = 1) -> str:
     return f"{a:.{digits}f}x to {b:.{digits}f}x {word}"
 
 
-FWD_BWD_KEYS = ("kda_edu chunk_kda fwd+bwd ms", "fla chunk_kda fwd+bwd ms")
 FORWARD_KERNELS = ("_chunk_prepare_kernel", "_chunk_scan_kernel")  # kda_edu/kernels/chunk.py
 BACKWARD_KERNELS = (  # kda_edu/kernels/chunk_bwd.py's, in launch order; the first is chunk.py's, with STORE_X
     "_chunk_prepare_kernel",
@@ -348,120 +342,6 @@ BACKWARD_KERNELS = (  # kda_edu/kernels/chunk_bwd.py's, in launch order; the fir
     "_local_v_kernel",
     "_local_k_kernel",
 )
-PREVIOUS_BACKWARD_KERNELS = (  # the backward before the key-block split, which had its own prepare kernel
-    "_prepare_kernel",
-    "_states_kernel",
-    "_dstates_kernel",
-    "_local_v_kernel",
-    "_local_k_kernel",
-)
-LOCAL_KERNELS = ("_local_v_kernel", "_local_k_kernel")  # the two chunk-local gradient kernels
-
-
-def fwd_bwd_rows(result: dict) -> list[dict]:
-    """The rows of `bench/results/h200_fwd_bwd.json` in which both ours and fla's forward + backward ran."""
-    return [r for r in result["rows"] if all(key in r for key in FWD_BWD_KEYS)]
-
-
-def profiled_backward(kernels_us: dict) -> str:
-    """Which backward a kernel profile of bench_kda_bwd.py measured, from its format.
-
-    - "current": one profile per pass, `{"forward": {name: us}, "backward": {name: us}}`, as bench_kda_bwd.py
-      records it now. It must: the backward launches the forward's `_chunk_prepare_kernel` again (with
-      STORE_X), so one profile keyed by kernel name would add the two passes' prepare times together.
-    - "previous": one profile of the whole step, `{name: us}`, as bench_kda_bwd.py recorded it for the
-      backward before the key-block split, whose recomputation was its own `_prepare_kernel`
-      (`PREVIOUS_BACKWARD_KERNELS`). The committed bench/results/h200_fwd_bwd.json is in this format.
-
-    A single profile that holds backward kernels but no `_prepare_kernel` is refused (ValueError): it would be
-    the current backward with both passes' `_chunk_prepare_kernel` times added together."""
-    if set(kernels_us) == {"forward", "backward"} and all(isinstance(p, dict) for p in kernels_us.values()):
-        return "current"
-    if "_prepare_kernel" not in kernels_us and any(name in kernels_us for name in PREVIOUS_BACKWARD_KERNELS):
-        raise ValueError(
-            "one profile of the whole step without _prepare_kernel: the forward's and the backward's "
-            "_chunk_prepare_kernel times are added together; profile the two passes separately "
-            "(bench/kernels/bench_kda_bwd.py)"
-        )
-    return "previous"
-
-
-def measured_backward(result: dict) -> str:
-    """Which backward ("current" or "previous", see `profiled_backward`) a run of bench_kda_bwd.py measured,
-    its timings and peak memory included, read from the format of its kernel profile."""
-    return profiled_backward(profiled_row(result)["kda_edu kernels us"])
-
-
-def kernel_split(kernels_us: dict) -> dict:
-    """Sort a kernel profile of one forward + backward (microseconds, as bench_kda_bwd.py records it) into
-    `{"forward": {...}, "backward": {...}, "other": {...}}` in milliseconds.
-
-    Both formats of `profiled_backward` are read. One profile per pass ("current"): our kernels
-    (`FORWARD_KERNELS`, `BACKWARD_KERNELS`) go to the pass that ran them, so `_chunk_prepare_kernel` appears
-    in both. One profile of the whole step ("previous", bench/results/h200_fwd_bwd.json): by name,
-    `FORWARD_KERNELS` to the forward and `PREVIOUS_BACKWARD_KERNELS` to the backward. "other" is every kernel
-    that is not one of ours: PyTorch's own kernels (casts of gradients to bf16, sums of key-block shares,
-    copies), one entry per name, the two passes' times added where a name appears in both."""
-    split = {"forward": {}, "backward": {}, "other": {}}
-    if profiled_backward(kernels_us) == "current":
-        passes = [("forward", kernels_us["forward"], FORWARD_KERNELS)]
-        passes.append(("backward", kernels_us["backward"], BACKWARD_KERNELS))
-    else:
-        passes = [
-            ("forward", {n: us for n, us in kernels_us.items() if n in FORWARD_KERNELS}, FORWARD_KERNELS),
-            (
-                "backward",
-                {n: us for n, us in kernels_us.items() if n not in FORWARD_KERNELS},
-                PREVIOUS_BACKWARD_KERNELS,
-            ),
-        ]
-    for part, profile, ours in passes:
-        for name, us in profile.items():
-            if name in ours:
-                split[part][name] = us / 1e3
-            else:
-                split["other"][name] = split["other"].get(name, 0.0) + us / 1e3
-    return split
-
-
-KERNEL_GROUPS = (  # kernel_groups' keys, in the order of a step
-    "forward (prepare + scan)",
-    "backward: recompute (prepare)",
-    "backward: state passes",
-    "backward: _local_v_kernel",
-    "backward: _local_k_kernel",
-    "PyTorch's own kernels",
-)
-
-
-def kernel_groups(kernels_us: dict) -> dict:
-    """A kernel profile (either format of `profiled_backward`) in `KERNEL_GROUPS`, milliseconds: the forward,
-    the backward's recomputation (`_chunk_prepare_kernel` with STORE_X, or the previous backward's
-    `_prepare_kernel`), its two state passes, each chunk-local kernel, and every kernel not ours."""
-    split = kernel_split(kernels_us)
-    bwd = split["backward"]
-    return dict(
-        zip(
-            KERNEL_GROUPS,
-            (
-                sum(split["forward"].values()),
-                bwd.get("_chunk_prepare_kernel", 0.0) + bwd.get("_prepare_kernel", 0.0),
-                bwd["_states_kernel"] + bwd["_dstates_kernel"],
-                bwd["_local_v_kernel"],
-                bwd["_local_k_kernel"],
-                sum(split["other"].values()),
-            ),
-            strict=True,
-        )
-    )
-
-
-def profiled_row(result: dict) -> dict:
-    """The row of a bench_kda_bwd.py result that holds the kernel profile (its first shape)."""
-    row = next((r for r in result["rows"] if "kda_edu kernels us" in r), None)
-    if row is None:
-        raise ValueError("no row of this result has a kernel profile")
-    return row
 
 
 def _pow2(n: int) -> int:
@@ -479,7 +359,6 @@ def backward_memory(
     chunk: int = 64,
     lv_block: int = 64,
     lk_block: int = 32,
-    backward: str = "current",
     work_bytes: int | None = None,
 ) -> dict:
     """Bytes that `chunk_kda`'s forward + backward allocates beyond its inputs and dO, buffer by buffer.
@@ -504,16 +383,12 @@ def backward_memory(
 
     `lv_block`, `lk_block`: `chunk_kda_bwd`'s knobs of the same names (its defaults). `work_bytes`: bytes per
     number of the intermediates the backward keeps in the input dtype (w, u, qg, kd, Aqk, S0, dS, U); None
-    means `in_bytes`, as on a GPU, while Triton's interpreter keeps them in float32 (4). `backward="previous"`
-    counts instead the backward before the key-block split (the one bench/results/h200_fwd_bwd.json measured):
-    no shares, dA in a buffer of its own next to X until the end, and the casts of dq, dk, dbeta at the end.
+    means `in_bytes`, as on a GPU, while Triton's interpreter keeps them in float32 (4).
 
     Returns:
         `{"peak": bytes, "phases": {phase: bytes alive at its end}, "at_peak": {buffer: bytes},
         "buffers": {phase: {buffer: bytes}}}`.
     """
-    if backward not in ("current", "previous"):
-        raise ValueError(f"backward must be 'current' or 'previous', not {backward!r}")
     f32, lo = 4, in_bytes
     wk = in_bytes if work_bytes is None else work_bytes
     NCH = B * -(-T // chunk)  # chunks, the last of each sequence padded
@@ -544,32 +419,28 @@ def backward_memory(
     finish |= {"dq, dk, dbeta cast to the input dtype": cast} if cast else {}
     kept = {n: b for n, b in (held | prepare | passes).items() if n != "qg, kd"}  # after the two passes
     live = {"recompute (kernels 1-2)": held | prepare, "state passes (3-4)": held | prepare | passes}
-    if backward == "previous":
-        after_local = kept | {"dA, dgc_end (float32)": rows * chunk * f32 + HV * NCH * BK * f32}
-        live |= {"local gradients (5-6)": after_local, "casts": after_local | finish}
-    else:
-        nv = -(-K // min(BK, lv_block))  # key blocks of _local_v_kernel, each with its shares of dA and dbeta
-        nk = -(-K // min(BK, lk_block))  # key blocks of _local_k_kernel, each with its share of dbeta
-        kept |= {"dgc_end (float32)": HV * NCH * BK * f32}
-        dA_shares = {"dA, local_v's shares (float32)": nv * rows * chunk * f32}
-        no_x = {n: b for n, b in kept.items() if n != "X = (I + A)^-1 (float32)"}  # X is freed after local_v
-        out, at_end = {}, no_x
-        if HV == H and lo < f32:  # _local_k_kernel writes dq, dk in the input dtype: only dbeta is cast
-            out = {"dq, dk in the input dtype (written by local_k)": 2 * tok * H * K * lo}
-            at_end = {n: b for n, b in no_x.items() if n != "dq, dk (float32)"} | out
-            finish = {"dbeta cast to the input dtype": tok * HV * lo}
-        local_k = dA_shares | {"dbeta, local_k's shares (float32)": nk * tok * HV * f32} | out
-        live |= {
-            "local_v (5)": kept | dA_shares | {"dbeta, local_v's shares (float32)": nv * tok * HV * f32},
-            "local_k (6)": no_x | local_k,
-            "casts": at_end | finish,
-        }
+    nv = -(-K // min(BK, lv_block))  # key blocks of _local_v_kernel, each with its shares of dA and dbeta
+    nk = -(-K // min(BK, lk_block))  # key blocks of _local_k_kernel, each with its share of dbeta
+    kept |= {"dgc_end (float32)": HV * NCH * BK * f32}
+    dA_shares = {"dA, local_v's shares (float32)": nv * rows * chunk * f32}
+    no_x = {n: b for n, b in kept.items() if n != "X = (I + A)^-1 (float32)"}  # X is freed after local_v
+    out, at_end = {}, no_x
+    if HV == H and lo < f32:  # _local_k_kernel writes dq, dk in the input dtype: only dbeta is cast
+        out = {"dq, dk in the input dtype (written by local_k)": 2 * tok * H * K * lo}
+        at_end = {n: b for n, b in no_x.items() if n != "dq, dk (float32)"} | out
+        finish = {"dbeta cast to the input dtype": tok * HV * lo}
+    local_k = dA_shares | {"dbeta, local_k's shares (float32)": nk * tok * HV * f32} | out
+    live |= {
+        "local_v (5)": kept | dA_shares | {"dbeta, local_v's shares (float32)": nv * tok * HV * f32},
+        "local_k (6)": no_x | local_k,
+        "casts": at_end | finish,
+    }
     phases = {name: sum(bufs.values()) for name, bufs in live.items()}
     top = max(phases, key=phases.get)
     return dict(peak=phases[top], phases=phases, at_peak=live[top], buffers=live)
 
 
-MEMORY_GROUPS = {  # backward_memory's buffers (both backwards), grouped for the figure
+MEMORY_GROUPS = {  # backward_memory's buffers, grouped for the figure
     "output o": ("output o",),
     "gradients (float32 partials, casts)": (
         "dv",
@@ -590,7 +461,6 @@ MEMORY_GROUPS = {  # backward_memory's buffers (both backwards), grouped for the
     ),
     "S0, dS, U, dU of every chunk": ("S0 of every chunk", "dS of every chunk", "U", "dU (float32)"),
     "dA, dbeta shares, dgc_end": (
-        "dA, dgc_end (float32)",
         "dgc_end (float32)",
         "dA, local_v's shares (float32)",
         "dbeta, local_v's shares (float32)",
@@ -603,132 +473,48 @@ FLA_COLOR = "C3"
 MEMORY_COLORS = ("#c6dbef", "#6baed6", "#2171b5", "#08306b", "#9e9ac8")
 
 
-def plot_fwd_bwd(result: dict, memory: dict | None = None):
-    """Three panels from `bench/results/h200_fwd_bwd.json`: forward + backward time of ours and fla's
-    chunk_kda per shape; our time kernel by kernel at the first shape (with fla's whole step for scale); and
-    peak memory beside fla's, ours split into `backward_memory`'s buffers when `memory` is given. The title
-    says "previous backward" when the file measured the backward before the key-block split
-    (`measured_backward`); PyTorch's own kernels are one bar."""
+def plot_fwd_bwd(steps: dict, memory: dict, memory_shape: tuple, fla_gib: float):
+    """Two panels: forward + backward time of ours and fla's chunk_kda per shape (`steps`, `{(B, T, H):
+    (ours ms, fla ms)}`), with 1.25x fla's time marked; and at `memory_shape` the peak beyond the inputs,
+    ours as `backward_memory` counts it (`memory`, split into `MEMORY_GROUPS`) beside fla's measured
+    `fla_gib`."""
     from kda_edu.plotting import figure, finish
 
-    rows = fwd_bwd_rows(result)
-    ours = [r[FWD_BWD_KEYS[0]] for r in rows]
-    fla = [r[FWD_BWD_KEYS[1]] for r in rows]
-    ratios = [o / f for o, f in zip(ours, fla, strict=True)]
-    first = rows[0]
-    split = kernel_split(first["kda_edu kernels us"])
-    total = sum(ms for part in split.values() for ms in part.values())
-    local = sum(split["backward"][name] for name in LOCAL_KERNELS)
-    mem_row = next(r for r in result["rows"] if "kda_edu chunk_kda peak GiB" in r)
-    mem = (mem_row["kda_edu chunk_kda peak GiB"], mem_row["fla chunk_kda peak GiB"])
-    which = "" if measured_backward(result) == "current" else " (previous backward)"
+    ratios = [ours / fla for ours, fla in steps.values()]
+    ours_gib = memory["peak"] / 2**30
     fig, axes = figure(
-        f"{result['device']}, bf16{which}: forward + backward {versus_range(ratios)} than fla's; "
-        f"{local / total:.0%} of it in the two chunk-local gradient kernels; peak memory {mem[0] / mem[1]:.2f}x fla's",
+        f"Forward + backward: ours {versus_range(ratios)} than fla's; counted peak memory "
+        f"{ours_gib / fla_gib:.2f}x fla's measured",
         [
-            ("shape (K = V = 128)", "forward + backward time (ms)"),
-            (f"time at B={first['B']}, T={first['T']}, H={first['H']} (ms)", "kernel"),
-            (f"B={mem_row['B']}, T={mem_row['T']}, H={mem_row['H']}", "peak memory beyond the inputs (GiB)"),
+            ("B, T, H (bf16, K = V = 128)", "forward + backward time (ms)"),
+            ("B={}, T={}, H={}".format(*memory_shape), "peak memory beyond the inputs (GiB)"),
         ],
-        width=5.4,
+        width=6.0,
         height=4.2,
     )
     ax = axes[0]
-    x = list(range(len(rows)))
-    ax.bar([i - 0.2 for i in x], ours, width=0.4, color="C0", label="kda_edu chunk_kda")
-    ax.bar([i + 0.2 for i in x], fla, width=0.4, color=FLA_COLOR, label="fla chunk_kda")
-    for i, (t, r) in enumerate(zip(ours, ratios, strict=True)):
-        ax.text(i - 0.2, t, versus(r), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"{r['B']}, {r['T']}, {r['H']}" for r in rows], fontsize=8)
-    ax.set_xlabel("B, T, H (K = V = 128)")
-    ax.legend(fontsize=8)
+    x = list(range(len(steps)))
+    ours_ms = [o for o, _ in steps.values()]
+    fla_ms = [f for _, f in steps.values()]
+    ax.bar([i - 0.2 for i in x], ours_ms, width=0.4, color="C0", label="kda_edu chunk_kda")
+    ax.bar([i + 0.2 for i in x], fla_ms, width=0.4, color=FLA_COLOR, label="fla chunk_kda")
+    ax.plot([], [], color="k", ls=":", label="1.25x fla")
+    for i, (t, f, r) in enumerate(zip(ours_ms, fla_ms, ratios, strict=True)):
+        ax.text(i - 0.2, t, f"{r:.2f}x", ha="center", va="bottom", fontsize=9)
+        ax.plot([i + 0.0, i + 0.4], [1.25 * f] * 2, color="k", ls=":")
+    ax.set_xticks(x, ["{}, {}, {}".format(*shape) for shape in steps])
+    ax.set_ylim(0, max(ours_ms) * 1.15)
+    ax.legend(fontsize=8, loc="upper left")
 
     ax = axes[1]
-    names, times, colors = [], [], []
-    for part, color in (("forward", "C2"), ("backward", "C0")):
-        for name, ms in split[part].items():
-            names.append(f"{part}: {name}")
-            times.append(ms)
-            colors.append("C1" if name in LOCAL_KERNELS else color)
-    if split["other"]:
-        names.append("PyTorch's own kernels")
-        times.append(sum(split["other"].values()))
-        colors.append("C7")
-    ax.barh(range(len(names)), times, color=colors)
-    for i, t in enumerate(times):
-        ax.text(t, i, f" {t:.2f}", va="center", fontsize=7)
-    ax.set_yticks(range(len(names)), names, fontsize=7)
-    ax.invert_yaxis()
-    fla_ms = first[FWD_BWD_KEYS[1]]
-    ax.axvline(fla_ms, color=FLA_COLOR, ls="--", label=f"fla's whole forward + backward ({fla_ms:.2f} ms)")
-    ax.set_xlim(0, max(max(times), fla_ms) * 1.15)
-    ax.legend(fontsize=7, loc="lower right")
-
-    ax = axes[2]
-    if memory is not None:
-        bottom = 0.0
-        for (group, members), color in zip(MEMORY_GROUPS.items(), MEMORY_COLORS, strict=True):
-            gib = sum(memory["at_peak"].get(m, 0) for m in members) / 2**30
-            ax.bar(0, gib, bottom=bottom, color=color, label=f"ours: {group}")
-            bottom += gib
-        ax.plot([-0.4, 0.4], [mem[0]] * 2, color="k", lw=2, label="ours, measured")
-    else:
-        ax.bar(0, mem[0], color="C0")
-    ax.bar(1, mem[1], color=FLA_COLOR)
+    bottom = 0.0
+    for (group, members), color in zip(MEMORY_GROUPS.items(), MEMORY_COLORS, strict=True):
+        gib = sum(memory["at_peak"].get(m, 0) for m in members) / 2**30
+        ax.bar(0, gib, bottom=bottom, color=color, label=f"ours (counted): {group}")
+        bottom += gib
+    ax.bar(1, fla_gib, color=FLA_COLOR, label="fla (measured)")
     ax.set_xticks([0, 1], ["kda_edu chunk_kda", "fla chunk_kda"])
     ax.legend(fontsize=7, loc="upper left")
-    ax.set_ylim(0, max(mem) * 1.7)
-    finish(fig)
-    return fig
-
-
-GROUP_COLORS = ("C2", "#9ecae1", "#6baed6", "C1", "#d95f0e", "C7")
-
-
-def plot_backward_builds(results: dict):
-    """Our forward + backward at the profiled shape, one stacked bar per benchmark file (`{label: result}`,
-    in the order given), split into `KERNEL_GROUPS`; beside each bar fla's whole step in the same run and
-    1.25x of it (the first bar)."""
-    from kda_edu.plotting import figure, finish
-
-    rows = {label: profiled_row(result) for label, result in results.items()}
-    shapes = {(r["B"], r["T"], r["H"]) for r in rows.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"the files profiled different shapes: {sorted(shapes)}")
-    (B, T, H), last = shapes.pop(), list(rows.values())[-1]
-    first = list(rows.values())[0]
-    ours, fla = last[FWD_BWD_KEYS[0]], last[FWD_BWD_KEYS[1]]
-    device = list(results.values())[-1]["device"]
-    fig, (ax,) = figure(
-        f"{device}, bf16, B={B}, T={T}, H={H}: forward + backward {first[FWD_BWD_KEYS[0]]:.2f} -> {ours:.2f} ms, "
-        f"{versus(ours / fla, 2)} than fla's",
-        [("time of one forward + backward (ms)", "backward (benchmark file)")],
-        width=10.0,
-        height=1.2 + 0.8 * len(rows),
-    )
-    for i, row in enumerate(rows.values()):
-        left = 0.0
-        for (group, ms), color in zip(
-            kernel_groups(row["kda_edu kernels us"]).items(), GROUP_COLORS, strict=True
-        ):
-            ax.barh(i, ms, left=left, color=color, label=group if i == 0 else None)
-            left += ms
-        ax.text(left, i, f" {row[FWD_BWD_KEYS[0]]:.2f} ms timed", va="center", fontsize=8)
-        fla_ms = row[FWD_BWD_KEYS[1]]
-        ax.plot(
-            [fla_ms] * 2,
-            [i - 0.45, i + 0.45],
-            color=FLA_COLOR,
-            lw=2,
-            label="fla, same run" if i == 0 else None,
-        )
-        ax.plot(
-            [1.25 * fla_ms] * 2, [i - 0.45, i + 0.45], color=FLA_COLOR, ls=":", lw=2,
-            label="1.25x fla (the first bar)" if i == 0 else None,
-        )  # fmt: skip
-    ax.set_yticks(range(len(rows)), list(rows), fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(r[FWD_BWD_KEYS[0]] for r in rows.values()) * 1.2)
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    ax.set_ylim(0, max(ours_gib, fla_gib) * 1.8)
     finish(fig)
     return fig

@@ -1,11 +1,7 @@
-"""Chapter 9's helpers: the benchmark readers (`versus`, `kernel_split`, `backward_memory`) and the per-sequence
-gradients of a packed row (`per_sequence_grads`).
-
-The kernel profile of bench/kernels/bench_kda_bwd.py comes in two formats (`profiled_backward`): one profile per pass
-(the current script) and one profile of the whole step (the committed bench/results/h200_fwd_bwd.json, measured
-with the backward before the key-block split); both are tested. `backward_memory` is held to what
-`chunk_bwd.chunk_kda_bwd` keeps alive at each of its launches (on a CPU, under the interpreter), and its
-"previous" count to the committed measurement."""
+"""Chapter 9's helpers: the time ratios in words (`versus`), the count of the backward's buffers
+(`backward_memory`, held to what `chunk_bwd.chunk_kda_bwd` keeps alive at each of its launches, on a CPU under
+the interpreter), the forward + backward figure, and the per-sequence gradients of a packed row
+(`per_sequence_grads`)."""
 
 import inspect
 import sys
@@ -14,21 +10,12 @@ from unittest import mock
 import pytest
 import torch
 
-from kda_edu.book import bench_result
 from kda_edu.chapters.ch09_backward_decoding import (
-    BACKWARD_KERNELS,
-    FORWARD_KERNELS,
-    KERNEL_GROUPS,
+    MEMORY_GROUPS,
     NAMES,
-    PREVIOUS_BACKWARD_KERNELS,
     backward_memory,
-    kernel_groups,
-    kernel_split,
-    measured_backward,
     outputs_and_grads,
     per_sequence_grads,
-    profiled_backward,
-    profiled_row,
     versus,
     versus_range,
 )
@@ -45,72 +32,8 @@ def test_versus_words():
     assert versus_range([0.8, 1.3]) == "1.2x faster to 1.3x slower"
 
 
-def test_kernel_split_reads_one_profile_per_pass():
-    """The current format: the backward's `_chunk_prepare_kernel` stays apart from the forward's."""
-    fwd = {name: 1000.0 for name in FORWARD_KERNELS} | {"void at::native::copy": 100.0}
-    bwd = {name: 2000.0 for name in BACKWARD_KERNELS} | {
-        "void at::native::copy": 200.0,
-        "reduce_kernel": 50.0,
-    }
-    us = {"forward": fwd, "backward": bwd}
-    assert profiled_backward(us) == "current"
-    split = kernel_split(us)
-    assert split["forward"] == {name: 1.0 for name in FORWARD_KERNELS}
-    assert split["backward"] == {name: 2.0 for name in BACKWARD_KERNELS}
-    assert (
-        split["forward"]["_chunk_prepare_kernel"] == 1.0 and split["backward"]["_chunk_prepare_kernel"] == 2.0
-    )
-    assert split["other"] == pytest.approx({"void at::native::copy": 0.3, "reduce_kernel": 0.05})
-    total = sum(fwd.values()) + sum(bwd.values())
-    assert sum(ms for part in split.values() for ms in part.values()) == pytest.approx(total / 1e3)
-
-
-def test_kernel_split_reads_one_profile_of_the_previous_backward():
-    """The format of the committed file: one profile of the whole step, the backward with its own prepare."""
-    us = {name: 1000.0 for name in FORWARD_KERNELS + PREVIOUS_BACKWARD_KERNELS} | {
-        "void at::native::copy": 500.0
-    }
-    assert profiled_backward(us) == "previous"
-    split = kernel_split(us)
-    assert set(split["forward"]) == set(FORWARD_KERNELS)
-    assert set(split["backward"]) == set(PREVIOUS_BACKWARD_KERNELS)
-    assert split["other"] == {"void at::native::copy": 0.5}
-    assert sum(ms for part in split.values() for ms in part.values()) == pytest.approx(sum(us.values()) / 1e3)
-
-
-def test_one_profile_of_the_current_backward_is_refused():
-    """Both passes launch `_chunk_prepare_kernel`: one profile keyed by name would add their times."""
-    us = {name: 1000.0 for name in FORWARD_KERNELS + BACKWARD_KERNELS}
-    with pytest.raises(ValueError, match="separately"):
-        kernel_split(us)
-
-
-@pytest.mark.parametrize(
-    "name, which",
-    [
-        ("h200_fwd_bwd.json", "previous"),
-        ("h200_fwd_bwd_split.json", "current"),
-        ("h200_fwd_bwd_split_f12f262.json", "current"),
-    ],
-)
-def test_kernel_split_reads_the_committed_profile(name, which):
-    result = bench_result(name)
-    if result is None:
-        pytest.skip(f"bench/results/{name} is not here")
-    profile = next(r["kda_edu kernels us"] for r in result["rows"] if "kda_edu kernels us" in r)
-    assert measured_backward(result) == which
-    split = kernel_split(profile)
-    assert set(split["forward"]) == set(FORWARD_KERNELS)
-    assert set(split["backward"]) == set(
-        BACKWARD_KERNELS if which == "current" else PREVIOUS_BACKWARD_KERNELS
-    )
-    parts = profile.values() if which == "current" else [profile]
-    total = sum(us for part in parts for us in part.values())
-    assert sum(ms for part in split.values() for ms in part.values()) == pytest.approx(total / 1e3)
-
-
-def test_plot_fwd_bwd_reads_both_formats(monkeypatch):
-    """The chapter's figure from the committed file, and from the same numbers as a per-pass profile."""
+def test_plot_fwd_bwd(monkeypatch):
+    """The figure's title reads the ratios and the memory; every buffer at the peak is in one of its groups."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,60 +42,15 @@ def test_plot_fwd_bwd_reads_both_formats(monkeypatch):
     from kda_edu.chapters.ch09_backward_decoding import plot_fwd_bwd
 
     monkeypatch.setattr(plt, "show", lambda: None)
-    result = bench_result("h200_fwd_bwd.json")
-    if result is None:
-        pytest.skip("bench/results/h200_fwd_bwd.json is not here")
-    fig = plot_fwd_bwd(
-        result, backward_memory(1, 32768, 32, 32, 128, 128, backward=measured_backward(result))
-    )
+    mem = backward_memory(1, 32768, 32, 32, 128, 128)
+    grouped = {m for members in MEMORY_GROUPS.values() for m in members}
+    assert set(mem["at_peak"]) <= grouped
+    steps = {(1, 8192, 32): (8.0, 5.0), (8, 4096, 16): (15.0, 10.0)}
+    fig = plot_fwd_bwd(steps, mem, (1, 32768, 32), fla_gib=2 * mem["peak"] / 2**30)
     title = fig._suptitle.get_text()
-    assert ("previous backward" in title) == (measured_backward(result) == "previous")
-    per_pass = {
-        "forward": {n: 100.0 for n in FORWARD_KERNELS},
-        "backward": {n: 200.0 for n in BACKWARD_KERNELS},
-    }
-    per_pass["backward"]["void at::native::reduce_kernel"] = 10.0
-    rows = [
-        dict(r, **{"kda_edu kernels us": per_pass}) if "kda_edu kernels us" in r else r
-        for r in result["rows"]
-    ]
-    fig = plot_fwd_bwd(dict(result, rows=rows), backward_memory(1, 32768, 32, 32, 128, 128))
-    assert "previous backward" not in fig._suptitle.get_text()
-    bars = [t.get_text() for t in fig.axes[1].get_yticklabels()]
-    assert bars.count("forward: _chunk_prepare_kernel") == bars.count("backward: _chunk_prepare_kernel") == 1
-    assert bars[-1] == "PyTorch's own kernels"
-    plt.close("all")
-
-
-def test_kernel_groups_and_the_figure_of_the_builds(monkeypatch):
-    """Every committed profile in six groups that add up to it, and the figure of the three files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from kda_edu.chapters.ch09_backward_decoding import plot_backward_builds
-
-    monkeypatch.setattr(plt, "show", lambda: None)
-    names = ("h200_fwd_bwd.json", "h200_fwd_bwd_split_f12f262.json", "h200_fwd_bwd_split.json")
-    results = {name: bench_result(name) for name in names}
-    if any(r is None for r in results.values()):
-        pytest.skip("bench/results/ is not here")
-    for result in results.values():
-        profile = profiled_row(result)["kda_edu kernels us"]
-        groups, split = kernel_groups(profile), kernel_split(profile)
-        assert tuple(groups) == KERNEL_GROUPS and min(groups.values()) > 0
-        assert sum(groups.values()) == pytest.approx(sum(ms for p in split.values() for ms in p.values()))
-    fig = plot_backward_builds(results)
-    assert "12.18 -> 6.40 ms, 1.27x slower than fla's" in fig._suptitle.get_text()
-    assert len(fig.axes[0].patches) == len(names) * len(KERNEL_GROUPS)
-    with pytest.raises(ValueError, match="kernel profile"):
-        profiled_row(dict(results["h200_fwd_bwd.json"], rows=results["h200_fwd_bwd.json"]["rows"][1:]))
-    other = dict(
-        results["h200_fwd_bwd.json"], rows=[dict(profiled_row(results["h200_fwd_bwd.json"]), T=4096)]
-    )
-    with pytest.raises(ValueError, match="different shapes"):
-        plot_backward_builds({"a": other, "b": results["h200_fwd_bwd_split.json"]})
+    assert "1.5x to 1.6x slower" in title and "0.50x fla's" in title
+    stacked = sum(p.get_height() for p in fig.axes[1].patches[: len(MEMORY_GROUPS)])
+    assert stacked == pytest.approx(mem["peak"] / 2**30)
     plt.close("all")
 
 
@@ -192,16 +70,12 @@ def test_backward_memory_phases():
     assert bf16["phases"]["local_k (6)"] - grouped["phases"]["local_k (6)"] == 8 * dqk * 2  # bf16 dq, dk
     # grouped: float32 dq, dk of 8 value heads kept, their sums over 4 key heads, cast; bf16: only the bf16 ones
     assert grouped["phases"]["casts"] - bf16["phases"]["casts"] == 8 * dqk * (4 - 2) + 4 * dqk * (4 + 2)
-    previous = backward_memory(1, 4096, 4, 8, 128, 128, in_bytes=2, backward="previous")
-    assert "dq, dk summed over value heads" in previous["at_peak"]
     one_block = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2, lv_block=128)  # one share of dA
     assert bf16["phases"]["local_k (6)"] - one_block["phases"]["local_k (6)"] == rows * 64 * 4
     assert one_block["phases"]["casts"] == bf16["phases"]["casts"]  # the shares are gone by then
     interp = backward_memory(1, 4096, 8, 8, 128, 128, in_bytes=2, work_bytes=4)
     float32_work = rows * (128 + 128 + 64 + 128) + 2 * 8 * 64 * 128 * 128  # w, u, Aqk, U; S0, dS
     assert interp["phases"]["casts"] - bf16["phases"]["casts"] == float32_work * (4 - 2)
-    with pytest.raises(ValueError):
-        backward_memory(1, 64, 1, 1, 16, 16, backward="stop 11")
 
 
 def test_backward_memory_knobs_are_the_backwards_defaults():
@@ -308,18 +182,6 @@ def test_backward_memory_follows_the_allocations(K, V, knobs, dtype):
     expected = {phase: nbytes - o_bytes for phase, nbytes in model["phases"].items()}
     expected["casts"] -= made_by_finish  # recorded as `_finish` is called, before it casts
     assert log == expected
-
-
-def test_backward_memory_reproduces_the_measured_peak():
-    """The committed measurement, counted for the backward that made it (`measured_backward`)."""
-    result = bench_result("h200_fwd_bwd.json")
-    if result is None:
-        pytest.skip("bench/results/h200_fwd_bwd.json is not here")
-    row = next(r for r in result["rows"] if "kda_edu chunk_kda peak GiB" in r)
-    mem = backward_memory(
-        row["B"], row["T"], row["H"], row["H"], 128, 128, in_bytes=2, backward=measured_backward(result)
-    )
-    assert mem["peak"] / 2**30 == pytest.approx(row["kda_edu chunk_kda peak GiB"], rel=0.02)
 
 
 def test_per_sequence_grads_handles_an_empty_sequence():

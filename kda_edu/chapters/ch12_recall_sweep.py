@@ -141,7 +141,7 @@ def needs_rerun(run: dict) -> bool:
     return run["mixer"] == "kda" and "undecayed_gate_parameters" not in run
 
 
-def _grows(old: dict, new: dict) -> bool:
+def extends_preset(old: dict, new: dict) -> bool:
     """Whether preset configuration `new` is `old` with more seeds and/or more mixers (a sweep may go on)."""
     rest = {k: v for k, v in old.items() if k not in ("seeds", "mixers")}
     return (
@@ -447,7 +447,9 @@ def run_sweep(
     data = {"preset": preset_name, "config": preset, "runs": []}
     if out.exists():
         data = load_results(out)
-        if data["preset"] != preset_name or not _grows(data["config"], json.loads(json.dumps(preset))):
+        if data["preset"] != preset_name or not extends_preset(
+            data["config"], json.loads(json.dumps(preset))
+        ):
             raise ValueError(f"{out} holds another preset or configuration; pass another --out")
         data["config"] = preset  # more seeds or mixers may be added to a finished sweep
     data["environment"] = {

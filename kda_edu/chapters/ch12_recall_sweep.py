@@ -60,8 +60,9 @@ PRESETS = {
         "lrs": [2e-3, 5e-3],
     },
     # The GPU sweep: the report's model shape (2 layers, 2 heads; head dim 64 here), lengths up to 1024.
-    # 180 runs, in parts of `--max-minutes`. The delta-rule mixers run through the Triton kernel: their
-    # chunked PyTorch forms launch thousands of small kernels per step, which is what a GPU does worst.
+    # 216 runs (3 tasks x 3 lengths x 6 mixers x 2 rates x 2 seeds), in parts of `--max-minutes`. The
+    # delta-rule mixers run through the Triton kernel: their chunked PyTorch forms launch thousands of small
+    # kernels per step, which is what a GPU does worst.
     "gpu": {
         "model": {"d_model": 128, "n_layers": 2, "ffn_hidden": 256},
         "mixer": {

@@ -55,6 +55,9 @@ compile() {  # source, object name: recompiled when the object is missing or old
 }
 compile "$SRC/flashkda/csrc/smxx/fwd_launch.cu" fwd_launch  # FlashKDA's launcher and kernels: minutes
 compile "$ROOT/bench/flashkda/shim.cu" shim
+if [ ${#compiled[@]} -eq 0 ] && [ -f "$DEST/lib/libflashkda_shim.so" ]; then
+  echo "$DEST/lib is up to date (build_info.json describes it)"; exit 0
+fi
 "$NVCC" -shared -cudart static -gencode arch=compute_90a,code=sm_90a \
   "$DEST/obj/fwd_launch.o" "$DEST/obj/shim.o" -o "$DEST/lib/libflashkda_shim.so"
 seconds=$(( $(date +%s) - start ))

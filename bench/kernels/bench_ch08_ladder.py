@@ -16,19 +16,16 @@ H200, most of it compiling (not yet run there; the timed calls are bounded by do
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 import torch
-import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import make_inputs  # noqa: E402  (the forward benchmark's inputs, so the times compare)
+from bench_kda import make_inputs, run_environment  # noqa: E402  (the forward benchmark's inputs, so the times compare)
 
 from kda_edu.chapters.ch08_chunk_kernel import LADDER  # noqa: E402
 from kda_edu.ops.kda import kda_recurrent  # noqa: E402
@@ -69,11 +66,7 @@ def main():
     )
     args = ap.parse_args()
     result = dict(
-        date=datetime.date.today().isoformat(),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
+        **run_environment(),
         dtype="bfloat16",
         K=128,
         V=128,

@@ -39,10 +39,8 @@ Writes DIR/h200_flashkda.json (DIR: --out, else $OUT, else bench/results) after 
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -51,11 +49,11 @@ from pathlib import Path
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla's own Triton path, never a FlashKDA dispatch
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "flashkda"))
+from bench_kda import run_environment  # noqa: E402  (this folder, the script's own)
 from flashkda import build_info, flashkda_fwd  # noqa: E402  (after the sys.path set-up above)
 
 from kda_edu.kernels import chunk_kda  # noqa: E402
@@ -292,11 +290,7 @@ def main():
     rep = Report(
         Path(args.out) / "h200_flashkda.json",
         dict(
-            date=datetime.date.today().isoformat(),
-            device=torch.cuda.get_device_name(),
-            torch=torch.__version__,
-            triton=triton.__version__,
-            python=platform.python_version(),
+            **run_environment(),
             fla=fla_version,
             commit=git_commit(),
             flashkda_build=build_info(),

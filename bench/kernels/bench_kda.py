@@ -43,6 +43,17 @@ HEADLINE = [(1, 8192, 32), (1, 32768, 32), (8, 4096, 16), (1, 131072, 16)]
 SWEEP = [(1, 1024 * 2**i, 16) for i in range(8)]  # T = 1K .. 128K
 
 
+def run_environment() -> dict:
+    """What every benchmark JSON records about the run: the date, the GPU and the versions."""
+    return dict(
+        date=datetime.date.today().isoformat(),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+    )
+
+
 def make_inputs(B, T, H, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -185,11 +196,7 @@ def main():
     copy_bw, mm_rate = ceilings()
     print(f"copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     result = dict(
-        date=datetime.date.today().isoformat(),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
+        **run_environment(),
         copy_bandwidth_TBps=copy_bw / 1e12,
         bf16_matmul_TFLOPs=mm_rate / 1e12,
         counts=(

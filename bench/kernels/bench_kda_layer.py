@@ -18,13 +18,11 @@ call is the default.
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 
 import torch
-import triton
+from bench_kda import run_environment  # this folder: the script runs as bench/kernels/bench_kda_layer.py
 from triton.testing import do_bench
 
 from kda_edu.layers.fla_compat import KimiDeltaAttention
@@ -101,11 +99,7 @@ def main() -> None:
     ap.add_argument("--gates", nargs="+", default=list(GATES), choices=list(GATES))
     args = ap.parse_args()
     result = dict(
-        date=datetime.date.today().isoformat(),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
+        **run_environment(),
         layer=dict(hidden_size=HIDDEN, num_heads=HEADS, head_dim=HEAD_DIM, dtype="bfloat16"),
         tolerance=TOL,
         rows=[],

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import browser_check  # noqa: E402
 import cache_guard  # noqa: E402
+import merge_junit  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 HAS_JUPYTER_BOOK = (VENV_BIN / "jupyter-book").exists() and shutil.which("make") is not None
@@ -154,3 +155,49 @@ def test_make_passes_the_explicit_skip_to_the_browser_check():
         env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")},
     )
     assert "--skip-if-no-browser" in dry.stdout
+
+
+def _report(path: Path, cases: list[tuple[str, str, str]]) -> Path:
+    """A JUnit file with (classname, name, outcome) cases; outcome is "pass" or "failure"."""
+    body = "".join(
+        f'<testcase classname="{c}" name="{n}">' + ("<failure/>" if o == "failure" else "") + "</testcase>"
+        for c, n, o in cases
+    )
+    path.write_text(f'<testsuites><testsuite name="pytest">{body}<testcase time="0"/></testsuite></testsuites>')
+    return path
+
+
+def test_merged_reports_drop_the_cases_of_a_rerun_file(tmp_path):
+    # The first run: notebook A had three cells (the third failed), B two; a module had two tests.
+    first = _report(
+        tmp_path / "a.xml",
+        [
+            ("book.A.ipynb", "Cell 0", "pass"),
+            ("book.A.ipynb", "Cell 1", "pass"),
+            ("book.A.ipynb", "Cell 2", "failure"),
+            ("book.B.ipynb", "Cell 0", "pass"),
+            ("tests.training.test_x", "test_old", "failure"),
+            ("tests.training.test_x.TestY", "test_kept", "pass"),
+        ],
+    )
+    # The re-run: A now has two cells, and the module's test_old was renamed.
+    later = _report(
+        tmp_path / "b.xml",
+        [
+            ("book.A.ipynb", "Cell 0", "pass"),
+            ("book.A.ipynb", "Cell 1", "pass"),
+            ("tests.training.test_x", "test_new", "pass"),
+        ],
+    )
+    suite = merge_junit.merge([first, later]).find("testsuite")
+    names = sorted((c.get("classname"), c.get("name")) for c in suite.iter("testcase"))
+    assert names == [
+        ("book.A.ipynb", "Cell 0"),
+        ("book.A.ipynb", "Cell 1"),
+        ("book.B.ipynb", "Cell 0"),
+        ("tests.training.test_x", "test_new"),
+    ]
+    assert (suite.get("tests"), suite.get("failures")) == ("4", "0")
+    # Merged the other way round, the old failures come back: the order decides, not a filter.
+    suite = merge_junit.merge([later, first]).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("6", "2")

@@ -3,8 +3,10 @@
     python tools/merge_junit.py OUT.xml FIRST.xml LATER.xml [...]
 
 A device call is limited to 10 minutes, so a suite that does not finish in one call is completed in the next
-with the tests it did not reach (and any it re-runs after a fix). A test case is keyed by (classname, name);
-a later report's case replaces an earlier one's, and cases only a later report has are added. The merged
+with the tests it did not reach (and any it re-runs after a fix). A later report replaces every case of each
+source file it ran (a notebook, or a test module), so a cell or test removed since the earlier run does not
+stay behind as a stale case; cases of files only the earlier report ran are kept. Cases without a classname
+(pytest writes an empty one for some collection events) are dropped. The merged
 suite's counts are recomputed from its cases, and a property `merged_from` lists the inputs in order, so the
 report says it was assembled. bench/NOTES.md records which build each input ran on.
 """
@@ -20,13 +22,32 @@ def _suites(root: ET.Element) -> list[ET.Element]:
     return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
 
 
+def source_of(classname: str) -> str:
+    """The file a case comes from: the notebook ("book.09_x.ipynb"), or the test module
+    ("tests.training.test_probes" for "tests.training.test_probes.TestClass")."""
+    if classname.endswith(".ipynb"):
+        return classname
+    parts = classname.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("test_") or part.endswith("_test"):
+            return ".".join(parts[: i + 1])
+    return classname
+
+
 def merge(paths: list[Path]) -> ET.Element:
-    """One <testsuites> element holding the union of the reports' cases, later reports winning."""
+    """One <testsuites> element: for each source file, the cases of the last report that ran it."""
     cases: dict[tuple[str, str], ET.Element] = {}
     for path in paths:
-        for suite in _suites(ET.parse(path).getroot()):
-            for case in suite.iter("testcase"):
-                cases[case.get("classname") or "", case.get("name") or ""] = case
+        new = [
+            case
+            for suite in _suites(ET.parse(path).getroot())
+            for case in suite.iter("testcase")
+            if case.get("classname")
+        ]
+        rerun = {source_of(case.get("classname")) for case in new}
+        cases = {key: case for key, case in cases.items() if source_of(key[0]) not in rerun}
+        for case in new:
+            cases[case.get("classname"), case.get("name") or ""] = case
     suite = ET.Element("testsuite", name="pytest")
     props = ET.SubElement(suite, "properties")
     ET.SubElement(props, "property", name="merged_from", value=" ".join(p.name for p in paths))

@@ -163,7 +163,9 @@ def _report(path: Path, cases: list[tuple[str, str, str]]) -> Path:
         f'<testcase classname="{c}" name="{n}">' + ("<failure/>" if o == "failure" else "") + "</testcase>"
         for c, n, o in cases
     )
-    path.write_text(f'<testsuites><testsuite name="pytest">{body}<testcase time="0"/></testsuite></testsuites>')
+    path.write_text(
+        f'<testsuites><testsuite name="pytest">{body}<testcase time="0"/></testsuite></testsuites>'
+    )
     return path
 
 

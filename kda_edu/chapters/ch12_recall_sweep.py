@@ -136,10 +136,15 @@ def run_key(spec: dict) -> tuple:
 
 
 def needs_rerun(run: dict) -> bool:
-    """A KDA run trained under the old weight-decay rule, which decayed its `[H, K]` dt_bias (the runs without
-    `undecayed_gate_parameters`): it counts as pending, and its re-run replaces it (the old record moves to
-    the file's "superseded" list). The other mixers' gate parameters are vectors, which neither rule decayed."""
-    return run["mixer"] == "kda" and "undecayed_gate_parameters" not in run
+    """A run recorded before the weight-decay fix (no `undecayed_gate_parameters`): it counts as pending, and
+    its re-run replaces it (the old record moves to the file's "superseded" list).
+
+    For KDA the old rule decayed its `[H, K]` dt_bias. The other mixers' gate parameters are vectors, which
+    neither rule decayed, but their old runs came from earlier builds of the GPU path (one of them with an
+    out-of-bounds read in the one-chunk variant, bench/NOTES.md session 5), and two of them do not reproduce
+    on the current build: Gated DeltaNet's collapse on Palindrome 128 and DeltaNet's NaN on MQAR 1024
+    (bench/NOTES.md, session 11). So the whole grid is re-run on one build."""
+    return "undecayed_gate_parameters" not in run
 
 
 def extends_preset(old: dict, new: dict) -> bool:
@@ -172,7 +177,7 @@ def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
         "model_config": model_config.to_dict(),
         "train_config": asdict(train_config),
         # Left out of AdamW's weight decay whatever their shape (runs without this field decayed KDA's
-        # [H, K] dt_bias: the GPU sweep's first 78 runs).
+        # [H, K] dt_bias: the GPU sweep's first 78 runs; `needs_rerun` counts them as pending).
         "undecayed_gate_parameters": list(GATE_PARAMETERS),
         "history": result.history,
     }

@@ -153,29 +153,34 @@ def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
     assert not launched & {variant(2, 128)}
 
 
-def test_a_sweep_goes_on_with_more_mixers_and_reruns_kda_runs_of_the_old_weight_decay(tmp_path, monkeypatch):
-    """A file of a preset that later gained a mixer continues (another learning rate is refused); a KDA run
-    recorded without `undecayed_gate_parameters` (trained when weight decay took in its [H, K] dt_bias) is
-    pending: `cost` counts it as left, the next invocation trains it again, and the new record replaces it
-    while the old one moves to "superseded"."""
-    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16], ["kda"], steps=2))
+def test_a_sweep_goes_on_with_more_mixers_and_reruns_runs_of_the_old_build(tmp_path, monkeypatch):
+    """A file of a preset that later gained a mixer continues (another learning rate is refused); a run of any
+    mixer recorded without `undecayed_gate_parameters` (before the weight-decay fix: for KDA, weight decay took
+    in its [H, K] dt_bias; for every mixer, an older build of the GPU path) is pending: `cost` counts it as
+    left, the next invocation trains it again, and the new record replaces it while the old one moves to
+    "superseded". A run that has the field is kept."""
+    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16], ["kda", "deltanet", "linear_attention"], steps=2))
     out = tmp_path / "sweep.json"
     first = run_sweep("tiny", out, workers=1, device="cpu")
-    (old,) = first["runs"]
     assert cost(first)["left"] == 0
-    del old["undecayed_gate_parameters"]  # as the GPU sweep's first KDA runs were recorded
-    old["final_acc"] = -1.0  # a marker the re-run cannot reproduce
+    by_mixer = {r["mixer"]: r for r in first["runs"]}
+    for mixer, marker in (("kda", -1.0), ("deltanet", -2.0)):
+        del by_mixer[mixer]["undecayed_gate_parameters"]  # as the GPU sweep's first 78 runs were recorded
+        by_mixer[mixer]["final_acc"] = marker  # a marker the re-run cannot reproduce
+    by_mixer["linear_attention"]["final_acc"] = -3.0  # recorded with the field: kept as it is
     out.write_text(json.dumps(first))
-    assert cost(json.loads(out.read_text()))["left"] == 1
+    assert cost(json.loads(out.read_text()))["left"] == 2
 
-    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16], ["kda", "decay_only"], steps=2))
-    data = run_sweep("tiny", out, workers=1, device="cpu")
-    assert sorted(r["mixer"] for r in data["runs"]) == ["decay_only", "kda"]
-    assert all(
-        r["undecayed_gate_parameters"] == ["A_log", "dt_bias"] and r["final_acc"] >= 0 for r in data["runs"]
+    monkeypatch.setitem(
+        PRESETS, "tiny", tiny_preset([16], ["kda", "deltanet", "linear_attention", "decay_only"], steps=2)
     )
-    assert [r["final_acc"] for r in data["superseded"]] == [-1.0]
-    assert cost(data)["left"] == 0 and [i["runs"] for i in data["invocations"]] == [1, 2]
+    data = run_sweep("tiny", out, workers=1, device="cpu")
+    assert sorted(r["mixer"] for r in data["runs"]) == ["decay_only", "deltanet", "kda", "linear_attention"]
+    assert all(r["undecayed_gate_parameters"] == ["A_log", "dt_bias"] for r in data["runs"])
+    assert sorted(r["final_acc"] for r in data["runs"])[0] == -3.0  # the kept run
+    assert all(r["final_acc"] >= 0 for r in data["runs"] if r["mixer"] != "linear_attention")
+    assert sorted(r["final_acc"] for r in data["superseded"]) == [-2.0, -1.0]
+    assert cost(data)["left"] == 0 and [i["runs"] for i in data["invocations"]] == [3, 3]
 
     monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "lrs": [1e-3]})
     with pytest.raises(ValueError, match="another preset or configuration"):

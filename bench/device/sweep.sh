@@ -1,5 +1,7 @@
 # Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
-# Runs not started by MAX_MINUTES stay pending; runs still going at TIMEOUT_S are lost. Logs and results go to $OUT.
+# Runs not started by MAX_MINUTES stay pending; runs still going at TIMEOUT_S are lost. Logs and results go to $OUT;
+# copy $OUT/recall_gpu.json and .csv back into bench/results/ after the call. Keep TIMEOUT_S below the call's
+# limit_s, which is less than timeout_s when little device time is left.
 # SWEEP_OPTS (environment) adds options, e.g. SWEEP_OPTS="--runs-per-worker 20"; the log ends with --cost's line.
 source bench/device/env.sh
 GPU=$1; WORKERS=$2; MAXMIN=$3; TMO=$4; shift 4
@@ -9,9 +11,12 @@ nvidia-smi dmon -s u -d 15 > "$OUT/dmon_$TAG.log" 2>&1 &
 DMON=$!
 SKIP=()
 [ $# -gt 0 ] && SKIP=(--skip "$@")
-timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out bench/results/recall_gpu.json \
+# The sweep writes its file in $OUT itself (atomically, after every run): a call stopped at its limit still
+# brings back every finished run (session 11 lost nine when the copy at the end never ran).
+cp bench/results/recall_gpu.json "$OUT/recall_gpu.json"
+timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" \
     --workers "$WORKERS" --max-minutes "$MAXMIN" $SWEEP_OPTS "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
 echo "sweep exit $?" >> "$OUT/sweep_$TAG.log"
-python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out bench/results/recall_gpu.json --cost >> "$OUT/sweep_$TAG.log" 2>&1
-cp bench/results/recall_gpu.json bench/results/recall_gpu.csv "$OUT/"
+rm -f "$OUT/recall_gpu.tmp"
+python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" --cost >> "$OUT/sweep_$TAG.log" 2>&1
 kill $DMON

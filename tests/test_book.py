@@ -106,3 +106,62 @@ def test_the_chapter_map_names_each_chapters_modules():
         chapter = next(p for p in chapter_markdown() if p.stem.startswith(f"{number:02d}_"))
         behind = chapter.read_text().split("The code behind this chapter:", 1)[1].split("\n\n", 1)[0]
         assert all(f"`{m}`" in behind for m in named), (chapter.name, named)
+
+
+# A number in the README's prose: digits not glued to a letter or a dot before them (so "H200" and
+# "h200_forward.json" are not numbers), optionally followed by the "x" of a ratio.
+README_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?=x\b|[^\w.]|\.\s|\.$|$)")
+
+
+def readme_passage(start: str, end: str) -> str:
+    """The README's text from `start` up to `end`, its line breaks and indentation folded into spaces."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert start in text and end in text.split(start, 1)[1], f"the README no longer has {start!r} ... {end!r}"
+    return start + text.split(start, 1)[1].split(end, 1)[0]
+
+
+def bench(name: str) -> dict:
+    return json.loads((ROOT / "bench" / "results" / name).read_text())
+
+
+def test_readme_kernel_timings_are_the_committed_ones():
+    """The README's status quotes the H200 timings of chunk_kda, ours and fla's, at one shape: every number
+    of that passage, in order, is the committed JSON's value printed to two decimals (ratios recomputed from
+    the JSON), and the passage cites each file it reads. It once quoted fla's forward as 1.00 ms where
+    h200_forward.json holds 1.116 ms."""
+    passage = readme_passage("That accuracy made the kernels slower", "Issue 20")
+    prec = bench("h200_precision_cost.json")
+    forward = bench("h200_forward.json")
+    fwd_bwd = bench("h200_fwd_bwd.json")
+    shape = (1, 8192, 32)
+    now, before = (
+        next(r for r in prec["rows"] if r["build"] == build and (r["B"], r["T"], r["H"]) == shape)
+        for build in ("main_trial", "product_ac2d2d2")
+    )
+    head = next(r for r in forward["headline"] if (r["B"], r["T"], r["H"]) == shape)
+    assert head["K"] == head["V"]  # the README writes "K = V = 128"
+    ours_fwd, fla_fwd = (head["methods"][m]["ms"] for m in ("kda_edu chunk_kda", "fla chunk_kda"))
+    step_row = next(r for r in fwd_bwd["rows"] if (r["B"], r["T"], r["H"]) == shape)
+    fla_step = step_row["fla chunk_kda fwd+bwd ms"]
+    expected = [str(n) for n in (*shape, head["K"])] + [
+        f"{v:.2f}"
+        for v in (
+            now["fwd_ms"],
+            now["fwd_bwd_ms"],
+            now["fwd_ms"] / before["fwd_ms"],
+            now["fwd_bwd_ms"] / before["fwd_bwd_ms"],
+            before["fwd_ms"],
+            before["fwd_bwd_ms"],
+            fla_fwd,
+            ours_fwd,
+            ours_fwd / fla_fwd,
+            fla_step,
+            now["fwd_bwd_ms"],
+            now["fwd_bwd_ms"] / fla_step,
+        )
+    ]
+    # a chapter's number is no measurement
+    measured = README_NUMBER.findall(re.sub(r"chapter \d+", "", passage))
+    assert measured == expected, passage
+    for name in ("h200_precision_cost.json", "h200_forward.json", "h200_fwd_bwd.json"):
+        assert name in passage, name

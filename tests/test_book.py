@@ -165,3 +165,33 @@ def test_readme_kernel_timings_are_the_committed_ones():
     assert measured == expected, passage
     for name in ("h200_precision_cost.json", "h200_forward.json", "h200_fwd_bwd.json"):
         assert name in passage, name
+
+
+def test_readme_gpu_test_counts_are_the_committed_reports():
+    """The README's count of the H200 test runs is that of the committed JUnit reports: cells of the chapters
+    (every chapter among them), the chapters run with a forced dtype and their cells, and the unit suite's
+    cases by outcome. It once kept the counts of an earlier merge (587 cells, 1 unit failure)."""
+    import xml.etree.ElementTree as ET
+
+    passage = readme_passage("On the H200 (", "- The GPU run")
+
+    def suite(name):
+        root = ET.parse(ROOT / "bench" / "results" / "h200_tests" / name).getroot()
+        (s,) = root.iter("testsuite")
+        counts = {k: int(s.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+        notebooks = {tc.get("classname").split(".")[1] for tc in s.iter("testcase")}
+        return counts, notebooks
+
+    cells, chapters = suite("notebooks.xml")
+    assert chapters == {p.stem for p in NOTEBOOKS}  # "every chapter"
+    assert cells["failures"] == cells["errors"] == cells["skipped"] == 0  # "passes"
+    forced = [suite(f"notebooks_{dtype}.xml") for dtype in ("float16", "float32")]
+    assert forced[0][1] == forced[1][1] and all(c["tests"] == forced[0][0]["tests"] for c, _ in forced)
+    assert all(c["failures"] == c["errors"] == 0 for c, _ in forced)
+    unit, _ = suite("unit.xml")
+    passed = unit["tests"] - unit["failures"] - unit["errors"] - unit["skipped"]
+    expected = [cells["tests"]] * 2 + sorted(int(n[:2]) for n in forced[0][1]) + [forced[0][0]["tests"]] * 2
+    expected += [unit["tests"], passed, unit["skipped"], unit["failures"] + unit["errors"]]
+    assert README_NUMBER.findall(passage) == [str(n) for n in expected], passage
+    for name in ("notebooks.xml", "notebooks_float16.xml", "notebooks_float32.xml", "unit.xml"):
+        assert name in passage, name

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
+from kda_edu.ops._checks import check_floating_tensor
 
 __all__ = ["mla_absorbed_attention", "combine_splits", "default_splits"]
 
@@ -168,7 +169,14 @@ def mla_absorbed_attention(
 
     Returns:
         `[B, T, H, R]` float32.
+
+    Raises:
+        TypeError: q or cache is not a floating tensor, slots or lengths not a tensor.
+        ValueError: an argument has the wrong rank, shape, integer dtype or device, q an empty dimension, or
+            num_splits is below 1; the message names the argument and the shape it must have.
     """
+    check_floating_tensor("q", q, "[B, T, H, D]", nonempty=True)
+    check_floating_tensor("cache", cache, "[P, L_max, D]")
     B, T, H, D = q.shape
     P, L_max, Dc = cache.shape
     if Dc != D or not 1 <= value_dim <= D:
@@ -185,6 +193,8 @@ def mla_absorbed_attention(
     ):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     for name, t in (("slots", slots), ("lengths", lengths)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [B], got {type(t).__name__}")
         if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,) or t.device != q.device:
             raise ValueError(
                 f"{name} must be int32/int64 [B] = [{B}] on {q.device}, got {tuple(t.shape)} {t.dtype} {t.device}"

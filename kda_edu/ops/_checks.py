@@ -71,6 +71,30 @@ def _require_device(name: str, x: torch.Tensor, expected: str, device: torch.dev
         raise ValueError(f"{name} of shape {expected} must be on q's device ({device}), got {x.device}")
 
 
+def check_floating_tensor(name: str, x, expected: str, *, nonempty: bool = False) -> None:
+    """Check that `x` is a floating `torch.Tensor` of the rank `expected` names, for functions outside the
+    KDA layout.
+
+    Args:
+        name: the argument's name, for the messages.
+        x: the argument.
+        expected: its shape in words, one name per dimension, as the docstrings write it: `"[B, T, H, D]"`
+            asks for rank 4.
+        nonempty: also refuse a tensor with a dimension of size 0.
+
+    Raises:
+        TypeError: x is not a tensor, or not of a floating dtype.
+        ValueError: x has another rank (or, with `nonempty`, an empty dimension).
+    """
+    rank = len(expected.strip("[]").split(","))
+    _require_tensor(name, x, expected)
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, shape {expected}, got {tuple(x.shape)}")
+    if nonempty and x.numel() == 0:
+        raise ValueError(f"{name} must have no empty dimension in {expected}, got {tuple(x.shape)}")
+    _require_float(name, x, expected)
+
+
 def check_kda_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

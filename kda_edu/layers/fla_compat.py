@@ -48,6 +48,15 @@ _SAME = (
 )
 
 
+# The decay gate's parameters. KDALayer creates them in float32 and the gate is computed in float32 (float64
+# for a float64 layer), so they stay in at least float32 whatever the dtype of the weights around them.
+_GATE_PARAMETERS = ("A_log", "dt_bias")
+
+
+def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _check_convertible(config: KDAConfig) -> None:
     if config.full_rank != "none":
         raise ValueError(
@@ -79,6 +88,9 @@ def to_fla_state_dict(layer: KDALayer) -> dict[str, torch.Tensor]:
 def from_fla_state_dict(state_dict: dict[str, torch.Tensor], config: KDAConfig) -> dict[str, torch.Tensor]:
     """fla `KimiDeltaAttention` weights -> the state dict of a `KDALayer` with `config`.
 
+    Every tensor keeps its dtype except the gate's `A_log` and `dt_bias`, which come out in float32 at least
+    (a bf16 state dict gives float32 ones, exactly its values), as `KDALayer` keeps them.
+
     Raises a ValueError naming the tensors that are missing or left over (fla's layer built with options this
     one lacks: a convolution bias, say) or that have the wrong shape for `config`.
     """
@@ -107,6 +119,8 @@ def from_fla_state_dict(state_dict: dict[str, torch.Tensor], config: KDAConfig) 
     conv = [state_dict[f"{p}_conv1d.weight"][:, 0, :] for p in "qkv"]
     out["conv.weight"] = torch.cat(conv, dim=0)
     out["dt_bias"] = state_dict["dt_bias"].reshape(HV, K)
+    for name in _GATE_PARAMETERS:
+        out[name] = out[name].to(_gate_dtype(out[name].dtype))
     return out
 
 
@@ -223,9 +237,14 @@ class KimiDeltaAttention(KDALayer):
     @classmethod
     def from_fla_state_dict(cls, state_dict: dict[str, torch.Tensor], **fla_kwargs) -> "KimiDeltaAttention":
         """The layer `KimiDeltaAttention(**fla_kwargs)` holding the weights of an fla layer built with the same
-        arguments (`from_fla_state_dict`), on the weights' device and in their dtype."""
+        arguments (`from_fla_state_dict`), on the weights' device and in their dtype (that of `q_proj.weight`),
+        but for the gate's `A_log` and `dt_bias`, which stay in float32 (float64 for float64 weights)."""
         layer = cls(**fla_kwargs)
         weights = from_fla_state_dict(state_dict, layer.config)
-        first = next(iter(weights.values()))
-        layer.to(device=first.device, dtype=first.dtype).load_state_dict(weights)
+        reference = weights["q_proj.weight"]
+        layer.to(device=reference.device, dtype=reference.dtype)
+        for name in _GATE_PARAMETERS:  # undo the cast of `to` for the gate (load_state_dict copies into it)
+            parameter = getattr(layer, name)
+            parameter.data = parameter.data.to(_gate_dtype(reference.dtype))
+        layer.load_state_dict(weights)
         return layer

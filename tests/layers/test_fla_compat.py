@@ -97,3 +97,29 @@ def test_unsupported_fla_options_and_bad_weights_are_named():
         )
     with pytest.raises(ValueError, match="low-rank gates only"):
         to_fla_state_dict(KDALayer(D, KDAConfig(num_heads=2, head_dim=8, full_rank="decay")))
+
+
+@pytest.mark.parametrize("gates", [torch.bfloat16, torch.float32], ids=["bf16_gates", "float32_gates"])
+def test_bf16_weights_keep_float32_gate_parameters(gates):
+    """A bf16 state dict (its gates' A_log and dt_bias in bf16 too, or kept in float32 as fla creates them)
+    converts to a layer whose projections are bf16 and whose A_log and dt_bias are float32, as KDALayer
+    creates them, holding the source's values: bf16 -> float32 is exact, float32 stays as it is, so equality
+    is exact. The conversion used to cast them to the weights' dtype, rounding float32 gates to bf16."""
+    kwargs = dict(hidden_size=D, head_dim=8, num_heads=2)
+    torch.manual_seed(3)
+    source = KimiDeltaAttention(**kwargs).to_fla_state_dict()
+    source["A_log"] = torch.randn(2)  # values bf16 cannot hold, so that a rounding to bf16 shows
+    state = {n: t.to(gates if n in ("A_log", "dt_bias") else torch.bfloat16) for n, t in source.items()}
+    converted = from_fla_state_dict(state, KimiDeltaAttention(**kwargs).config)
+    layer = KimiDeltaAttention.from_fla_state_dict(state, **kwargs)
+    assert layer.q_proj.weight.dtype == converted["q_proj.weight"].dtype == torch.bfloat16
+    for name, fla_name in (("A_log", "A_log"), ("dt_bias", "dt_bias")):
+        expected = state[fla_name].float().reshape(getattr(layer, name).shape)
+        for got in (converted[name], getattr(layer, name).detach()):
+            assert got.dtype == torch.float32, name
+            assert torch.equal(got, expected), name
+    if gates == torch.float32:  # the float32 values, not their bf16 rounding
+        assert not torch.equal(layer.A_log.detach(), source["A_log"].bfloat16().float())
+    with torch.no_grad():  # the mixed-precision layer runs: bf16 in, bf16 out, finite
+        out, _, _ = layer(torch.randn(1, 5, D, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and bool(out.isfinite().all())

@@ -195,3 +195,15 @@ def test_readme_gpu_test_counts_are_the_committed_reports():
     assert README_NUMBER.findall(passage) == [str(n) for n in expected], passage
     for name in ("notebooks.xml", "notebooks_float16.xml", "notebooks_float32.xml", "unit.xml"):
         assert name in passage, name
+
+
+def test_readme_recall_sweep_counts_are_the_committed_file():
+    """The README's count of the GPU recall sweep is that of bench/results/recall_gpu.json: the runs in it, the
+    runs of the preset, and those recorded before the recipe fix (pending re-runs). It once said 108 runs."""
+    from kda_edu.chapters.ch12_recall_sweep import PRESETS, needs_rerun, run_specs
+
+    passage = readme_passage("- The GPU run of the recall-task comparison (chapter 12)", "- What is left")
+    data = bench("recall_gpu.json")
+    pending = sum(needs_rerun(r) for r in data["runs"])
+    expected = [12, len(data["runs"]), len(run_specs(PRESETS["gpu"])), pending]
+    assert README_NUMBER.findall(passage) == [str(n) for n in expected], passage

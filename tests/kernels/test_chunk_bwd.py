@@ -119,8 +119,10 @@ def test_forward_with_autograd_is_the_inference_forward():
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_kept_intermediates_give_the_same_bits(varlen):
     """keep_intermediates=True hands the forward's buffers to the backward instead of recomputing them: the
-    same kernels on the same inputs, so outputs and all six gradients are bit for bit those of the default.
-    The first backward empties the kept buffers; a second one (retain_graph) recomputes and agrees too."""
+    same arithmetic on the same inputs, in two builds of the prepare kernel (one also stores X), so outputs
+    and all six gradients agree with the default's within 1e-6 relative (a few float32 roundings; chapter 9
+    states the same bound; a buffer handed over wrongly is off by order 1). The first backward empties the
+    kept buffers; a second one (retain_graph) recomputes and agrees too."""
     if varlen:
         inputs, do, dht = make_inputs(1, 140, 1, 2, 16, 32, n_states=3)
         cu = torch.tensor([0, 70, 75, 140], device=DEVICE)
@@ -145,9 +147,9 @@ def test_kept_intermediates_give_the_same_bits(varlen):
 
     (o_a, ht_a), (grads_a,) = run(False)
     (o_b, ht_b), (grads_b, grads_again) = run(True, backwards=2)
-    assert torch.equal(o_a, o_b) and torch.equal(ht_a, ht_b)
+    assert rel_rms(o_b, o_a) <= 1e-6 and rel_rms(ht_b, ht_a) <= 1e-6
     for name, a, b, c in zip(NAMES, grads_a, grads_b, grads_again, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c), name
+        assert rel_rms(b, a) <= 1e-6 and rel_rms(c, a) <= 1e-6, name
 
 
 def test_rejects_unsupported_dtype():

@@ -88,11 +88,14 @@ def test_varlen_equals_each_sequence_alone(index_dtype, with_state):
 
 
 def test_one_sequence_is_the_fixed_length_path():
-    """cu_seqlens = [0, T] takes the chunk table, yet gives what the batch of one gives, bit for bit."""
+    """cu_seqlens = [0, T] takes the chunk table, yet gives what the batch of one gives: the same arithmetic in
+    the same order, the variants differing only in how they address the chunks, so within 1e-6 (a few float32
+    roundings, room for a compiler to schedule the two variants differently; a wrong chunk table is off by
+    order 1)."""
     q, k, v, g, beta, h0 = make_inputs(100, 1, 1, 16, 16, n_states=1)
     a = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     b = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_of([100]))
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert rel_err(b[0], a[0]) <= 1e-6 and rel_err(b[1], a[1]) <= 1e-6
 
 
 def test_varlen_without_final_state():

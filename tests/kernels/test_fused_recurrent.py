@@ -144,8 +144,9 @@ def test_varlen_inplace():
         q, k, v, g, beta, initial_state=state, cu_seqlens=cu, inplace_final_state=True
     )
     assert ht is state
-    torch.testing.assert_close(o, expected[0], rtol=0, atol=0)
-    torch.testing.assert_close(state, expected[1], rtol=0, atol=0)
+    # The in-place variant differs only in where it stores the state: within 1e-6 (see test_chunk_varlen's
+    # one-sequence test for the bound), not bit for bit, which two compiled variants do not owe each other.
+    assert rel_err(o, expected[0]) <= 1e-6 and rel_err(state, expected[1]) <= 1e-6
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 # Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
-# Runs not started by MAX_MINUTES stay pending; runs still going at TIMEOUT_S are lost. Logs and results go to $OUT;
+# Runs not started by MAX_MINUTES stay pending, and so do runs not expected to end 30 s before TIMEOUT_S (the
+# file's own timings; the longest start first); runs still going at TIMEOUT_S are lost. Logs and results go to $OUT;
 # copy $OUT/recall_gpu.json and .csv back into bench/results/ after the call. Keep TIMEOUT_S below the call's
 # limit_s, which is less than timeout_s when little device time is left.
 # SWEEP_OPTS (environment) adds options, e.g. SWEEP_OPTS="--runs-per-worker 20"; the log ends with --cost's line.
@@ -15,7 +16,8 @@ SKIP=()
 # brings back every finished run (session 11 lost nine when the copy at the end never ran).
 cp bench/results/recall_gpu.json "$OUT/recall_gpu.json"
 timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" \
-    --workers "$WORKERS" --max-minutes "$MAXMIN" $SWEEP_OPTS "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
+    --workers "$WORKERS" --max-minutes "$MAXMIN" --deadline-minutes "$(python3 -c "print(($TMO - 30) / 60)")" \
+    $SWEEP_OPTS "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
 echo "sweep exit $?" >> "$OUT/sweep_$TAG.log"
 rm -f "$OUT/recall_gpu.tmp"
 python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" --cost >> "$OUT/sweep_$TAG.log" 2>&1

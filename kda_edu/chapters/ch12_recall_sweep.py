@@ -411,12 +411,29 @@ def _write(path: Path, data: dict) -> None:
         writer.writerows(data["runs"])
 
 
+def expected_seconds(spec: dict, runs: list[dict]) -> float | None:
+    """How long `spec` should take, from the file's runs of the current recipe (`needs_rerun` False, so
+    trained the way this invocation trains): the longest recorded run of the same task, length and mixer, else
+    of the same task and length, plus 10 % and 15 s for building the model and evaluating. None when neither
+    has run yet."""
+    current = [r for r in runs if not needs_rerun(r)]
+    for same in (
+        lambda r: (r["task"], r["seq_len"], r["mixer"]) == (spec["task"], spec["seq_len"], spec["mixer"]),
+        lambda r: (r["task"], r["seq_len"]) == (spec["task"], spec["seq_len"]),
+    ):
+        seconds = [r["seconds"] for r in current if same(r)]
+        if seconds:
+            return 1.1 * max(seconds) + 15
+    return None
+
+
 def run_sweep(
     preset_name: str,
     out: str | os.PathLike,
     *,
     workers: int = 1,
     max_minutes: float | None = None,
+    deadline_minutes: float | None = None,
     device: str | None = None,
     skip: tuple[tuple[str, int], ...] = (),
     runs_per_worker: int | None = None,
@@ -431,6 +448,10 @@ def run_sweep(
         workers: runs trained at the same time, in separate processes with one CPU thread each (on a CUDA
             machine spread round-robin over its GPUs), each training one run after another (`RunPool`).
         max_minutes: start no new run after this many minutes (the finished runs are saved; rerun to go on).
+        deadline_minutes: the invocation must end by then (a device call's limit): the runs start longest
+            first (`expected_seconds`, so the long ones do not start last and get cut off), and a run starts
+            only if it is expected to finish before the deadline; the others stay pending. A run with no
+            estimate yet starts only in the first half of the time.
         device: "cpu" or "cuda"; None picks CUDA when available.
         skip: (task, length) cells to leave out of this invocation (they stay pending for the next one).
         runs_per_worker: start a fresh worker process after this many runs (1: one process per run); None
@@ -493,12 +514,27 @@ def run_sweep(
     # A run that fails is reported with its traceback and listed under "failed" in the file; the others go on,
     # and the next invocation tries it again.
     devices = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(workers)]
+    if deadline_minutes is not None:
+        estimate = {run_key(sp): expected_seconds(sp, data["runs"]) for sp in todo}
+        # Longest first; runs with no estimate yet first of all (they are the ones worth learning about).
+        todo.sort(key=lambda sp: -(estimate[run_key(sp)] or float("inf")))
+
+    def fits(spec: dict) -> bool:
+        if deadline_minutes is None:
+            return True
+        left = 60 * deadline_minutes - (time.perf_counter() - start)
+        seconds = estimate[run_key(spec)]
+        return left > 30 * deadline_minutes if seconds is None else seconds < left
+
     with RunPool(devices, threads=1, runs_per_worker=runs_per_worker) as pool:
         while todo or pool.busy():
             out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
-            while todo and pool.idle() and not out_of_time:
-                pool.submit(preset, *todo[:together])
-                del todo[:together]
+            while pool.idle() and not out_of_time:
+                batch = [sp for sp in todo if fits(sp)][:together]
+                if not batch:
+                    break
+                pool.submit(preset, *batch)
+                todo = [sp for sp in todo if sp not in batch]
             if not pool.busy():
                 break
             for outcome in pool.next_results():
@@ -627,6 +663,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the results JSON (a .csv is written beside it)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument(
+        "--deadline-minutes",
+        type=float,
+        default=None,
+        help="end by then: longest runs first, and only runs expected to finish in time",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument(
         "--skip", nargs="+", default=[], metavar="TASK:LEN", help="cells to leave for a later invocation"
@@ -669,6 +711,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out,
         workers=args.workers,
         max_minutes=args.max_minutes,
+        deadline_minutes=args.deadline_minutes,
         device=args.device,
         skip=skip,
         runs_per_worker=args.runs_per_worker,

@@ -6,7 +6,14 @@ import json
 import pytest
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, cost, run_specs, run_sweep
+from kda_edu.chapters.ch12_recall_sweep import (
+    PRESETS,
+    RunPool,
+    cost,
+    expected_seconds,
+    run_specs,
+    run_sweep,
+)
 
 
 def tiny_preset(lengths: list[int], mixers: list[str], steps: int = 6) -> dict:
@@ -195,3 +202,36 @@ def test_runs_together_with_cuda_graphs_are_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match="cannot replay CUDA graphs"):
         pool.submit(PRESETS["gpu"], *specs)
     assert pool.slots[0].process is None and pool.idle() == 1  # nothing was started
+
+
+def test_a_deadline_starts_the_longest_runs_first_and_only_runs_that_fit(tmp_path, monkeypatch):
+    """With `deadline_minutes`, the runs start longest first by the file's own timings, and a run expected to
+    end after the deadline stays pending (a device call that stops at its limit loses the runs still going).
+    Here the recorded length-32 runs are made to look an hour long: with a one-minute deadline only the
+    length-16 runs of the second seed start; with an unbounded one, the length-32 runs start first."""
+    monkeypatch.setitem(PRESETS, "tiny", tiny_preset([16, 32], ["linear_attention"], steps=2))
+    out = tmp_path / "sweep.json"
+    first = run_sweep("tiny", out, workers=1, device="cpu")
+    for r in first["runs"]:
+        if r["seq_len"] == 32:
+            r["seconds"] = 3600.0
+    out.write_text(json.dumps(first))
+    assert (
+        expected_seconds({"task": "mqar", "seq_len": 32, "mixer": "linear_attention"}, first["runs"]) > 3600
+    )
+    assert (
+        expected_seconds({"task": "mqar", "seq_len": 32, "mixer": "kda"}, first["runs"]) > 3600
+    )  # same cell
+    assert expected_seconds({"task": "mqar", "seq_len": 64, "mixer": "kda"}, first["runs"]) is None
+
+    monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "seeds": [0, 1]})
+    data = run_sweep("tiny", out, workers=1, device="cpu", deadline_minutes=1.0)
+    new = [r for r in data["runs"] if r["seed"] == 1]
+    assert [r["seq_len"] for r in new] == [16]  # the hour-long cell stayed pending
+    assert cost(data)["left"] == 1
+
+    data = run_sweep("tiny", out, workers=1, device="cpu", deadline_minutes=600.0)
+    assert [r["seq_len"] for r in data["runs"] if r["seed"] == 1] == [16, 32]
+    monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "seeds": [0, 1, 2]})
+    data = run_sweep("tiny", out, workers=1, device="cpu", deadline_minutes=600.0)
+    assert [r["seq_len"] for r in data["runs"] if r["seed"] == 2] == [32, 16]  # longest first

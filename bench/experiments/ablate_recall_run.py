@@ -26,9 +26,8 @@ from dataclasses import asdict
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, task_for
-from kda_edu.layers.mixers import MixerConfig, RecallConfig
-from kda_edu.training.train import TrainConfig, train
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
+from kda_edu.training.train import train
 
 VARIANTS = {  # name: (changes to the preset's mixer, changes to its training, device)
     "preset": ({}, {}, "cuda"),
@@ -43,11 +42,8 @@ def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> di
     torch.set_num_threads(threads)
     preset = PRESETS["gpu"]
     mixer_change, train_change, device = VARIANTS[variant]
-    task = task_for(spec["task"], spec["seq_len"], preset["tasks"][spec["task"]])
-    mixer = MixerConfig(kind=spec["mixer"], **{**preset["mixer"], **mixer_change})
-    model = RecallConfig(vocab_size=task.vocab_size, mixer=mixer, **preset["model"])
-    train_kw = {**preset["train"], **train_change} | ({"steps": steps} if steps else {})
-    config = TrainConfig(lr=spec["lr"], seed=spec["seed"], **train_kw)
+    train_kw = dict(train_change) | ({"steps": steps} if steps else {})
+    task, model, config = run_setup(preset, spec, mixer=mixer_change, train=train_kw)
     t0 = time.perf_counter()
     result = train(task, model, config, device=device, progress=False)
     return {

@@ -28,10 +28,8 @@ import time
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, task_for
-from kda_edu.layers.mixers import MixerConfig, RecallConfig
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
 from kda_edu.training.train import (
-    TrainConfig,
     build_model,
     data_seed,
     lr_at,
@@ -111,16 +109,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     preset = PRESETS[args.preset]
-    task = task_for(args.task, args.seq_len, preset["tasks"][args.task])
-    mixer_kw = dict(preset["mixer"])
+    spec = {"task": args.task, "seq_len": args.seq_len, "mixer": args.mixer, "lr": args.lr, "seed": args.seed}
+    mixer_kw = {}
     if args.backend:
         mixer_kw["backend"] = args.backend
     if args.kernel_dtype:
         mixer_kw["kernel_dtype"] = args.kernel_dtype
-    model_config = RecallConfig(
-        vocab_size=task.vocab_size, mixer=MixerConfig(kind=args.mixer, **mixer_kw), **preset["model"]
-    )
-    config = TrainConfig(lr=args.lr, seed=args.seed, **{**preset["train"], "cuda_graph": False})
+    task, model_config, config = run_setup(preset, spec, mixer=mixer_kw, train={"cuda_graph": False})
     device = torch.device(args.device)
     model = build_model(model_config, config.seed).to(device)
     optimizer = make_optimizer(model, config)

@@ -24,10 +24,9 @@ import time
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, task_for
-from kda_edu.layers.mixers import MixerConfig, RecallConfig
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
 from kda_edu.training.probes import gate_gradient_probe
-from kda_edu.training.train import TrainConfig, train
+from kda_edu.training.train import train
 
 
 def main() -> None:
@@ -45,14 +44,11 @@ def main() -> None:
     args = ap.parse_args()
 
     preset = PRESETS[args.preset]
-    task = task_for(args.task, args.seq_len, preset["tasks"][args.task])
-    model_config = RecallConfig(
-        vocab_size=task.vocab_size, mixer=MixerConfig(kind=args.mixer, **preset["mixer"]), **preset["model"]
-    )
-    train_kw = {**preset["train"], **({"steps": args.steps} if args.steps else {})}
+    spec = {"task": args.task, "seq_len": args.seq_len, "mixer": args.mixer, "lr": args.lr, "seed": args.seed}
+    train_kw = {"steps": args.steps} if args.steps else {}
     if torch.device(args.device).type != "cuda":
         train_kw["cuda_graph"] = False
-    config = TrainConfig(lr=args.lr, seed=args.seed, **train_kw)
+    task, model_config, config = run_setup(preset, spec, train=train_kw)
     probe_batch = task.sample(args.probe_batch, seed=10**6 + args.seed).to(
         args.device
     )  # outside the training data

@@ -157,12 +157,22 @@ def extends_preset(old: dict, new: dict) -> bool:
     )
 
 
+def run_setup(
+    preset: dict, spec: dict, *, mixer: dict | None = None, train: dict | None = None
+) -> tuple[object, RecallConfig, TrainConfig]:
+    """The task, model configuration and training configuration of one run of a preset (`spec`: task,
+    seq_len, mixer, lr, seed), as the sweep trains it; `mixer` and `train` override entries of the preset's
+    mixer and training settings (the experiments in bench/experiments change one setting at a time)."""
+    task = task_for(spec["task"], spec["seq_len"], preset["tasks"][spec["task"]])
+    mixer_config = MixerConfig(kind=spec["mixer"], **{**preset["mixer"], **(mixer or {})})
+    model_config = RecallConfig(vocab_size=task.vocab_size, mixer=mixer_config, **preset["model"])
+    train_config = TrainConfig(lr=spec["lr"], seed=spec["seed"], **{**preset["train"], **(train or {})})
+    return task, model_config, train_config
+
+
 def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
     """Train one run of a preset and return its record (configs, accuracy curve, wall time)."""
-    task = task_for(spec["task"], spec["seq_len"], preset["tasks"][spec["task"]])
-    mixer = MixerConfig(kind=spec["mixer"], **preset["mixer"])
-    model_config = RecallConfig(vocab_size=task.vocab_size, mixer=mixer, **preset["model"])
-    train_config = TrainConfig(lr=spec["lr"], seed=spec["seed"], **preset["train"])
+    task, model_config, train_config = run_setup(preset, spec)
     result = train(task, model_config, train_config, device=device, progress=False)
     return {
         **spec,
@@ -171,7 +181,7 @@ def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
         "final_loss": result.history[-1]["eval_loss"],
         "seconds": round(result.seconds, 2),
         "num_parameters": result.model.num_parameters(),
-        "state_size": mixer.state_size,
+        "state_size": model_config.mixer.state_size,
         "device": str(device),
         "task_config": task_to_dict(task),
         "model_config": model_config.to_dict(),

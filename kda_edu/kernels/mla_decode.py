@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
-from kda_edu.ops._checks import check_floating_tensor
+from kda_edu.ops._checks import check_absorbed_attention_inputs
 
 __all__ = ["mla_absorbed_attention", "combine_splits", "default_splits"]
 
@@ -175,30 +175,15 @@ def mla_absorbed_attention(
         ValueError: an argument has the wrong rank, shape, integer dtype or device, q an empty dimension, or
             num_splits is below 1; the message names the argument and the shape it must have.
     """
-    check_floating_tensor("q", q, "[B, T, H, D]", nonempty=True)
-    check_floating_tensor("cache", cache, "[P, L_max, D]")
+    check_absorbed_attention_inputs(q, cache, slots, lengths, value_dim)
     B, T, H, D = q.shape
-    P, L_max, Dc = cache.shape
-    if Dc != D or not 1 <= value_dim <= D:
-        raise ValueError(
-            f"cache must be [P, L_max, D] with q's D = {D} and 1 <= value_dim <= D, got "
-            f"{tuple(cache.shape)}, value_dim = {value_dim}"
-        )
-    if cache.device != q.device:
-        raise ValueError(f"cache [P, L_max, D] must be on q's device ({q.device}), got {cache.device}")
+    P, L_max, _ = cache.shape
     if not cache.is_contiguous():
         raise ValueError("cache must be contiguous (the kernel addresses its rows directly)")
     if num_splits is not None and (
         isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
     ):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
-    for name, t in (("slots", slots), ("lengths", lengths)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of shape [B], got {type(t).__name__}")
-        if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,) or t.device != q.device:
-            raise ValueError(
-                f"{name} must be int32/int64 [B] = [{B}] on {q.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
-            )
     check_device(q)
     rows = T * H
     NS = default_splits(B, rows, L_max, q.device) if num_splits is None else num_splits

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from kda_edu.ops._checks import check_absorbed_attention_inputs
 from kda_edu.ops.attention import causal_attention
 from kda_edu.ops.varlen import check_attention_mask, check_cu_seqlens, repad, unpad
 
@@ -265,7 +266,11 @@ def mla_absorbed_reference(
     the pool `[P, L_max, D]`, `slots` and `lengths` `[B]` with the T new tokens cached at positions
     `lengths - T ...`, values the first `value_dim` numbers of each row). It gathers the sequences' rows
     (a copy) and masks, for token t, the positions after `lengths - T + t`. Returns `[B, T, H, R]` in
-    float32 (float64 for float64 inputs); runs on any device."""
+    float32 (float64 for float64 inputs); runs on any device. Checks its arguments as the kernel does.
+
+    Raises:
+        TypeError, ValueError: an argument of another type, rank, dtype, size or device, named."""
+    check_absorbed_attention_inputs(q, cache, slots, lengths, value_dim)
     T = q.shape[1]
     dtype = torch.promote_types(q.dtype, torch.float32)
     rows = cache[slots.long()].to(dtype)  # [B, L_max, D]

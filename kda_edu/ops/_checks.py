@@ -95,6 +95,30 @@ def check_floating_tensor(name: str, x, expected: str, *, nonempty: bool = False
     _require_float(name, x, expected)
 
 
+def check_absorbed_attention_inputs(q, cache, slots, lengths, value_dim: int) -> None:
+    """The arguments of absorbed MLA attention over a pool of cached rows (the kernel
+    `kda_edu.kernels.mla_decode.mla_absorbed_attention` and its PyTorch reference): q a floating non-empty
+    `[B, T, H, D]`, cache a floating `[P, L_max, D]` on q's device with q's D, `1 <= value_dim <= D`, slots and
+    lengths int32/int64 `[B]` on q's device. Raises TypeError or ValueError naming the argument."""
+    check_floating_tensor("q", q, "[B, T, H, D]", nonempty=True)
+    check_floating_tensor("cache", cache, "[P, L_max, D]")
+    B, D = q.shape[0], q.shape[3]
+    if cache.shape[2] != D or not 1 <= value_dim <= D:
+        raise ValueError(
+            f"cache must be [P, L_max, D] with q's D = {D} and 1 <= value_dim <= D, got "
+            f"{tuple(cache.shape)}, value_dim = {value_dim}"
+        )
+    if cache.device != q.device:
+        raise ValueError(f"cache [P, L_max, D] must be on q's device ({q.device}), got {cache.device}")
+    for name, t in (("slots", slots), ("lengths", lengths)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [B], got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,) or t.device != q.device:
+            raise ValueError(
+                f"{name} must be int32/int64 [B] = [{B}] on {q.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
+            )
+
+
 def check_kda_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kda_edu.kernels.mla_decode import mla_absorbed_attention
+from kda_edu.layers.mla import mla_absorbed_reference
 
 
 def test_a_cache_elsewhere_and_a_bad_split_count_are_named():
@@ -19,9 +20,13 @@ def test_a_cache_elsewhere_and_a_bad_split_count_are_named():
             mla_absorbed_attention(q, torch.randn(3, 16, 8), slots, lengths, 0.3, 6, num_splits=splits)
 
 
-def test_a_wrongly_shaped_q_or_cache_is_named():
+@pytest.mark.parametrize(
+    "mla_absorbed_attention", [mla_absorbed_attention, mla_absorbed_reference], ids=["kernel", "reference"]
+)
+def test_a_wrongly_shaped_q_or_cache_is_named(mla_absorbed_attention):
     """q of another rank than [B, T, H, D] failed in unpacking its shape ("not enough values to unpack"), an
-    empty one divided by zero and an integer one was taken; a cache not [P, L_max, D] failed alike."""
+    empty one divided by zero and an integer one was taken; a cache not [P, L_max, D] failed alike. The
+    PyTorch reference checks the same way (it broadcast a wrong q into an einsum error, or a wrong answer)."""
     cache, slots = torch.randn(3, 16, 8), torch.tensor([0, 1])
     lengths = torch.tensor([3, 4], dtype=torch.int32)
     for q in (torch.randn(2, 2, 8), torch.randn(2, 1, 1, 2, 8)):

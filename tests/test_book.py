@@ -10,6 +10,8 @@ import jupytext
 import pytest
 import yaml
 
+from kda_edu.book import bench_result
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 from notebook_setup import chapter_markdown, chapter_notebooks, setup_cell_source  # noqa: E402
@@ -120,19 +122,15 @@ def readme_passage(start: str, end: str) -> str:
     return start + text.split(start, 1)[1].split(end, 1)[0]
 
 
-def bench(name: str) -> dict:
-    return json.loads((ROOT / "bench" / "results" / name).read_text())
-
-
 def test_readme_kernel_timings_are_the_committed_ones():
     """The README's status quotes the H200 timings of chunk_kda, ours and fla's, at one shape: every number
     of that passage, in order, is the committed JSON's value printed to two decimals (ratios recomputed from
     the JSON), and the passage cites each file it reads. It once quoted fla's forward as 1.00 ms where
     h200_forward.json holds 1.116 ms."""
     passage = readme_passage("That accuracy made the kernels slower", "Issue 20")
-    prec = bench("h200_precision_cost.json")
-    forward = bench("h200_forward.json")
-    fwd_bwd = bench("h200_fwd_bwd.json")
+    prec = bench_result("h200_precision_cost.json")
+    forward = bench_result("h200_forward.json")
+    fwd_bwd = bench_result("h200_fwd_bwd.json")
     shape = (1, 8192, 32)
     now, before = (
         next(r for r in prec["rows"] if r["build"] == build and (r["B"], r["T"], r["H"]) == shape)
@@ -203,7 +201,7 @@ def test_readme_recall_sweep_counts_are_the_committed_file():
     from kda_edu.chapters.ch12_recall_sweep import PRESETS, needs_rerun, run_specs
 
     passage = readme_passage("- The GPU run of the recall-task comparison (chapter 12)", "- What is left")
-    data = bench("recall_gpu.json")
+    data = bench_result("recall_gpu.json")
     pending = sum(needs_rerun(r) for r in data["runs"])
     expected = [12, len(data["runs"]), len(run_specs(PRESETS["gpu"])), pending]
     assert README_NUMBER.findall(passage) == [str(n) for n in expected], passage

@@ -62,10 +62,6 @@ def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> di
     task, model, config = run_setup(preset, spec, mixer=mixer_change, train=train_kw)
     t0 = time.perf_counter()
     result = train(task, model, config, device=device, progress=False)
-    decayed = sorted(
-        {n.rsplit(".", 1)[-1] for n, p in result.model.named_parameters() if p.dim() >= 2}
-        & {"A_log", "dt_bias"} - set(train_module.GATE_PARAMETERS)
-    )
     return {
         **spec,
         "variant": variant,
@@ -74,7 +70,6 @@ def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> di
         "best_acc": max(h["eval_acc"] for h in result.history),
         "seconds": round(time.perf_counter() - t0, 1),
         "undecayed_gate_parameters": list(train_module.GATE_PARAMETERS),
-        "decayed_gate_parameters": decayed,
         "model_config": model.to_dict(),
         "train_config": asdict(config),
         "history": result.history,

@@ -503,6 +503,8 @@ def run_sweep(
         "workers": workers,
         "runs_per_worker": runs_per_worker,
         "together": together,
+        # bench/device/mps.sh sets KDA_EDU_MPS when the workers share the GPU through NVIDIA's MPS.
+        "mps": os.environ.get("KDA_EDU_MPS") == "1",
         "minutes": 0.0,
         "runs": 0,
     }

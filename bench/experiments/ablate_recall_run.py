@@ -11,12 +11,16 @@ in one setting:
     cpu_torch      the PyTorch chunked form on the CPU (float32, no graph)
     decayed_dt_bias  the weight-decay rule of the sweep's first runs: dt_bias decayed, A_log spared
     steps_x4       four times the steps (6000), the schedule stretched with them
+    deterministic  the preset with torch.use_deterministic_algorithms(warn_only=True) and cuBLAS's fixed
+                   workspace: its log names every operation without a deterministic implementation
 
-The last two were added for KDA's MQAR results, which fell when the fix stopped weight decay from reaching
+decayed_dt_bias and steps_x4 were added for KDA's MQAR results, which fell when the fix stopped weight decay from reaching
 its [H, K] dt_bias (chapter 12; bench/NOTES.md, session 11).
 
 Every variant runs in its own process (at the same time, on a GPU); the results, with each variant's full
 configuration and held-out history, are merged into --out (JSON), so variants can be added call by call.
+`--repeat N` trains each variant N times (keys "preset", "preset#2", ...): the same seed and code, so any
+spread between them is the GPU path's run-to-run nondeterminism (deterministic added for that, session 12).
 
     python bench/experiments/ablate_recall_run.py --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
         --variants preset no_graph fp32_kernel torch_backend --out bench/results/ablate_gdn_palindrome128.json
@@ -48,11 +52,15 @@ VARIANTS = {  # name: (changes to the preset's mixer, changes to its training, d
     "fp32_kernel": ({"kernel_dtype": "float32"}, {}, "cuda"),
     "torch_backend": ({"backend": "torch", "kernel_dtype": "float32"}, {"cuda_graph": False}, "cuda"),
     "cpu_torch": ({"backend": "torch", "kernel_dtype": "float32"}, {"cuda_graph": False}, "cpu"),
+    "deterministic": ({}, {}, "cuda"),
 }
 
 
 def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> dict:
     torch.set_num_threads(threads)
+    if variant == "deterministic":  # before this process's first cuBLAS call (a fresh spawned worker)
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True, warn_only=True)
     preset = PRESETS["gpu"]
     mixer_change, train_change, device, *spared = VARIANTS[variant]
     # The rule is a module constant of the worker process, which may train another variant next: set it for
@@ -86,6 +94,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), required=True)
     ap.add_argument("--steps", type=int, default=None, help="fewer steps than the preset (a smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per variant")
+    ap.add_argument("--repeat", type=int, default=1, help="train each variant this many times")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     spec = dict(task=args.task, seq_len=args.seq_len, mixer=args.mixer, lr=args.lr, seed=args.seed)
@@ -96,8 +105,9 @@ def main() -> None:
         if data["spec"] != spec:
             raise ValueError(f"{args.out} holds another run: {data['spec']}")
     ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=len(args.variants), mp_context=ctx) as pool:
-        futures = {v: pool.submit(run_variant, spec, v, args.steps, args.threads) for v in args.variants}
+    keys = [(v, v if i == 0 else f"{v}#{i + 1}") for v in args.variants for i in range(args.repeat)]
+    with ProcessPoolExecutor(max_workers=len(keys), mp_context=ctx) as pool:
+        futures = {key: pool.submit(run_variant, spec, v, args.steps, args.threads) for v, key in keys}
         for variant, future in futures.items():
             record = future.result()
             data["runs"][variant] = record

@@ -13,6 +13,7 @@ in one setting:
     steps_x4       four times the steps (6000), the schedule stretched with them
     deterministic  the preset with torch.use_deterministic_algorithms(warn_only=True) and cuBLAS's fixed
                    workspace: its log names every operation without a deterministic implementation
+    cublas_fixed   the preset with cuBLAS's fixed workspace only (CUBLAS_WORKSPACE_CONFIG=:4096:8)
 
 decayed_dt_bias and steps_x4 were added for KDA's MQAR results, which fell when the fix stopped weight decay from reaching
 its [H, K] dt_bias (chapter 12; bench/NOTES.md, session 11).
@@ -53,13 +54,18 @@ VARIANTS = {  # name: (changes to the preset's mixer, changes to its training, d
     "torch_backend": ({"backend": "torch", "kernel_dtype": "float32"}, {"cuda_graph": False}, "cuda"),
     "cpu_torch": ({"backend": "torch", "kernel_dtype": "float32"}, {"cuda_graph": False}, "cpu"),
     "deterministic": ({}, {}, "cuda"),
+    "cublas_fixed": ({}, {}, "cuda"),
 }
 
 
 def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> dict:
     torch.set_num_threads(threads)
-    if variant == "deterministic":  # before this process's first cuBLAS call (a fresh spawned worker)
+    if variant in (
+        "deterministic",
+        "cublas_fixed",
+    ):  # before this process's first cuBLAS call (a fresh worker)
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if variant == "deterministic":
         torch.use_deterministic_algorithms(True, warn_only=True)
     preset = PRESETS["gpu"]
     mixer_change, train_change, device, *spared = VARIANTS[variant]

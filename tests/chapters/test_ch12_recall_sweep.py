@@ -110,7 +110,12 @@ def test_the_sweep_records_its_invocations_and_reports_their_cost(tmp_path, monk
         PRESETS, "tiny", {**tiny_preset([16, 32], ["linear_attention"], steps=2), "lrs": [2e-3, 5e-3]}
     )
     out = tmp_path / "sweep.json"
+    monkeypatch.setenv("KDA_EDU_MPS", "1")  # as bench/device/mps.sh sets it when the daemon is up
     data = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),), together=2)
+    assert data["invocations"][0]["mps"] is True
+    monkeypatch.delenv("KDA_EDU_MPS")
+    again = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),))
+    assert [(i["runs"], i["mps"]) for i in again["invocations"]] == [(2, True), (0, False)]
     assert len(run_specs(PRESETS["tiny"])) == 4
     assert sorted((r["seq_len"], r["lr"]) for r in data["runs"]) == [(16, 2e-3), (16, 5e-3)]
     assert [(i["runs"], i["gpus"], i["together"]) for i in data["invocations"]] == [(2, 0, 2)]

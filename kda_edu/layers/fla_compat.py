@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from kda_edu.layers.kda_layer import KDACache, KDAConfig, KDALayer
+from kda_edu.layers.kda_layer import GATE_PARAMETERS, KDACache, KDAConfig, KDALayer
 
 # Parameters whose name differs, ours -> fla's (dt_bias and the convolution also change shape).
 _RENAMED = {
@@ -46,11 +46,6 @@ _SAME = (
     "o_norm.weight",
     "o_proj.weight",
 )
-
-
-# The decay gate's parameters. KDALayer creates them in float32 and the gate is computed in float32 (float64
-# for a float64 layer), so they stay in at least float32 whatever the dtype of the weights around them.
-_GATE_PARAMETERS = ("A_log", "dt_bias")
 
 
 def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,7 +114,7 @@ def from_fla_state_dict(state_dict: dict[str, torch.Tensor], config: KDAConfig) 
     conv = [state_dict[f"{p}_conv1d.weight"][:, 0, :] for p in "qkv"]
     out["conv.weight"] = torch.cat(conv, dim=0)
     out["dt_bias"] = state_dict["dt_bias"].reshape(HV, K)
-    for name in _GATE_PARAMETERS:
+    for name in GATE_PARAMETERS:
         out[name] = out[name].to(_gate_dtype(out[name].dtype))
     return out
 
@@ -243,7 +238,7 @@ class KimiDeltaAttention(KDALayer):
         weights = from_fla_state_dict(state_dict, layer.config)
         reference = weights["q_proj.weight"]
         layer.to(device=reference.device, dtype=reference.dtype)
-        for name in _GATE_PARAMETERS:  # undo the cast of `to` for the gate (load_state_dict copies into it)
+        for name in GATE_PARAMETERS:  # undo the cast of `to` for the gate (load_state_dict copies into it)
             parameter = getattr(layer, name)
             parameter.data = parameter.data.to(_gate_dtype(reference.dtype))
         layer.load_state_dict(weights)

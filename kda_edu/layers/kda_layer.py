@@ -218,6 +218,12 @@ class GatedRMSNorm(nn.Module):
         return (normed * self.weight.to(dtype) * torch.sigmoid(gate.to(dtype))).to(gate.dtype)
 
 
+# The decay gate's parameters: not weights but the gate's rates and step sizes. They are created in float32 and
+# the gate is computed in at least float32, so conversions keep them so (fla_compat), and weight decay spares
+# them whatever their shape (training.train.make_optimizer): KDA's dt_bias is [H, K], a matrix by shape.
+GATE_PARAMETERS = ("A_log", "dt_bias")
+
+
 @torch.no_grad()
 def init_gate_parameters(A_log: nn.Parameter, dt_bias: nn.Parameter, gate: str = "softplus") -> None:
     """Initialise a decay gate's `A_log` and `dt_bias` in place so the heads start with a spread of memory

@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kda_edu.layers.kda_layer import GATE_PARAMETERS  # make_optimizer reads it from this module
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, RecallConfig, RecallLM
 from kda_edu.training.tasks import TaskBatch, task_to_dict
 
@@ -177,11 +178,6 @@ def build_model(model_config: RecallConfig, seed: int) -> RecallLM:
     with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return RecallLM(model_config)
-
-
-# The decay's parameters: not weights but the gates' rates and step sizes. KDA's dt_bias is [H, K], a matrix
-# by shape, and weight decay would pull it (and so the decay it sets) towards zero; Gated DeltaNet's is [H].
-GATE_PARAMETERS = ("A_log", "dt_bias")
 
 
 def make_optimizer(model: RecallLM, config: TrainConfig) -> torch.optim.AdamW:

@@ -237,9 +237,6 @@ class KimiDeltaAttention(KDALayer):
         layer = cls(**fla_kwargs)
         weights = from_fla_state_dict(state_dict, layer.config)
         reference = weights["q_proj.weight"]
-        layer.to(device=reference.device, dtype=reference.dtype)
-        for name in GATE_PARAMETERS:  # undo the cast of `to` for the gate (load_state_dict copies into it)
-            parameter = getattr(layer, name)
-            parameter.data = parameter.data.to(_gate_dtype(reference.dtype))
+        layer.to(device=reference.device, dtype=reference.dtype)  # the gate stays in at least float32
         layer.load_state_dict(weights)
         return layer

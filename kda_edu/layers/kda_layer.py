@@ -224,6 +224,24 @@ class GatedRMSNorm(nn.Module):
 GATE_PARAMETERS = ("A_log", "dt_bias")
 
 
+def apply_keeping_gates(module: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """`nn.Module._apply` (what `to`, `half`, `bfloat16`, `cuda` ... call), except that the module's own
+    `GATE_PARAMETERS` are never cast below float32: a layer converted to bf16 keeps its gate's rates and step
+    sizes in float32, with the values they had (rounded to bf16, a `dt_bias` near -7, a step size near 0.001,
+    would move that step size by up to about 1.6 %). Device moves and casts to float64 apply as usual."""
+    own = [name for name in GATE_PARAMETERS if isinstance(getattr(module, name, None), nn.Parameter)]
+    before = {name: getattr(module, name).detach().clone() for name in own}
+    nn.Module._apply(module, fn, recurse)
+    for name, old in before.items():
+        parameter = getattr(module, name)
+        wanted = torch.promote_types(parameter.dtype, torch.float32)
+        if parameter.dtype != wanted:
+            parameter.data = old.to(device=parameter.device, dtype=wanted)
+            if parameter.grad is not None:
+                parameter.grad = parameter.grad.to(wanted)
+    return module
+
+
 @torch.no_grad()
 def init_gate_parameters(A_log: nn.Parameter, dt_bias: nn.Parameter, gate: str = "softplus") -> None:
     """Initialise a decay gate's `A_log` and `dt_bias` in place so the heads start with a spread of memory
@@ -282,6 +300,9 @@ class KDALayer(nn.Module):
     def new_cache(self) -> KDACache:
         """An empty cache for this layer."""
         return KDACache()
+
+    def _apply(self, fn, recurse=True):  # `to(torch.bfloat16)` and the like leave the gate in float32
+        return apply_keeping_gates(self, fn, recurse)
 
     def forward(
         self,

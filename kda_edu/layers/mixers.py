@@ -43,7 +43,14 @@ import torch.nn as nn
 
 from kda_edu.backend import check_backend, use_triton
 from kda_edu.layers.ffn import SwiGLU
-from kda_edu.layers.kda_layer import GatedRMSNorm, KDAConfig, KDALayer, ShortConv, init_gate_parameters
+from kda_edu.layers.kda_layer import (
+    GatedRMSNorm,
+    KDAConfig,
+    KDALayer,
+    ShortConv,
+    apply_keeping_gates,
+    init_gate_parameters,
+)
 from kda_edu.models.model import Block, init_projections_
 from kda_edu.ops.attention import softmax_attention
 from kda_edu.ops.delta_rule import delta_rule_chunked
@@ -173,6 +180,9 @@ class TokenMixer(nn.Module):
     def output_projection(self) -> nn.Linear:
         """The projection that writes into the residual stream (`o_proj`, of the `KDALayer` for "kda")."""
         return self.o_proj if self.kda is None else self.kda.o_proj
+
+    def _apply(self, fn, recurse=True):  # `to(torch.bfloat16)` and the like leave the gate in float32
+        return apply_keeping_gates(self, fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[B, T, D]` -> `[B, T, D]`."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_edu.layers.kda_layer import KDACache, KDAConfig, KDALayer, ShortConv
+from kda_edu.layers.kda_layer import GATE_PARAMETERS, KDACache, KDAConfig, KDALayer, ShortConv
 from kda_edu.ops.gates import kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.ops.kda import kda_recurrent
 
@@ -381,3 +381,26 @@ def test_kernel_dtype_reaches_the_decoding_step_too():
         assert (got - expected).norm() <= 1e-5 * expected.norm(), (
             (got - expected).norm() / expected.norm()
         ).item()
+
+
+def test_casting_a_layer_keeps_its_gate_in_float32():
+    """`to(torch.bfloat16)`, `half()` and the like cast the weights but leave A_log and dt_bias in float32, with
+    the values they had (bf16 would round a dt_bias of -7 by up to 0.016); float64 still casts them up."""
+    from kda_edu.layers.mixers import MixerConfig, TokenMixer
+
+    layer = KDALayer(32, KDAConfig(num_heads=2, head_dim=8))
+    gates = {name: getattr(layer, name).detach().clone() for name in GATE_PARAMETERS}
+    layer.to(torch.bfloat16)
+    assert layer.q_proj.weight.dtype == layer.o_proj.weight.dtype == torch.bfloat16
+    for name, value in gates.items():
+        assert getattr(layer, name).dtype == torch.float32 and torch.equal(getattr(layer, name), value)
+    out = layer(torch.randn(2, 5, 32, dtype=torch.bfloat16))
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    layer.double()
+    assert all(getattr(layer, name).dtype == torch.float64 for name in GATE_PARAMETERS)
+    mixer = TokenMixer(32, MixerConfig(kind="gated_deltanet", num_heads=2, head_dim=8)).half()
+    assert (
+        mixer.q_proj.weight.dtype == torch.float16
+        and mixer.A_log.dtype == mixer.dt_bias.dtype == torch.float32
+    )

@@ -37,7 +37,7 @@ from dataclasses import asdict
 import torch
 
 import kda_edu.training.train as train_module
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import train
 
 # The parameters the weight-decay rule of the sweep's first runs spared: every vector, so A_log but not KDA's
@@ -92,18 +92,14 @@ def run_variant(spec: dict, variant: str, steps: int | None, threads: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--mixer", required=True)
-    ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--seed", type=int, default=0)
+    add_spec_arguments(ap)
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), required=True)
     ap.add_argument("--steps", type=int, default=None, help="fewer steps than the preset (a smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per variant")
     ap.add_argument("--repeat", type=int, default=1, help="train each variant this many times")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    spec = dict(task=args.task, seq_len=args.seq_len, mixer=args.mixer, lr=args.lr, seed=args.seed)
+    spec = spec_from_arguments(args)
     data = {"spec": spec, "runs": {}}
     if os.path.exists(args.out):
         with open(args.out) as f:

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import (
     build_model,
     data_seed,
@@ -93,11 +93,7 @@ def first_bad_backward(model, loss) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--mixer", required=True)
-    ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--seed", type=int, default=0)
+    add_spec_arguments(ap)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default=None, help="override the preset's mixer backend (torch / triton)")
@@ -109,7 +105,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     preset = PRESETS[args.preset]
-    spec = {"task": args.task, "seq_len": args.seq_len, "mixer": args.mixer, "lr": args.lr, "seed": args.seed}
+    spec = spec_from_arguments(args)
     mixer_kw = {}
     if args.backend:
         mixer_kw["backend"] = args.backend

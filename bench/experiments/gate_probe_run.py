@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.probes import gate_gradient_probe
 from kda_edu.training.train import train
 
@@ -33,18 +33,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--mixer", default="gated_deltanet")
-    ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--seed", type=int, default=0)
+    add_spec_arguments(ap, mixer="gated_deltanet")
     ap.add_argument("--steps", type=int, default=None, help="fewer steps than the preset")
     ap.add_argument("--probe-batch", type=int, default=16, help="sequences in the probed batch")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     preset = PRESETS[args.preset]
-    spec = {"task": args.task, "seq_len": args.seq_len, "mixer": args.mixer, "lr": args.lr, "seed": args.seed}
+    spec = spec_from_arguments(args)
     train_kw = {"steps": args.steps} if args.steps else {}
     if torch.device(args.device).type != "cuda":
         train_kw["cuda_graph"] = False

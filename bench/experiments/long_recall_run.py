@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import train
 
 
@@ -41,11 +41,7 @@ def checkpoint_step(path: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--mixer", required=True)
-    ap.add_argument("--lr", type=float, required=True)
-    ap.add_argument("--seed", type=int, default=0)
+    add_spec_arguments(ap)
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the preset's)")
     ap.add_argument("--head-dim", type=int, default=None, help="head dimension (default: the preset's)")
     ap.add_argument("--segment", type=int, default=500, help="steps per segment (a multiple of eval_every)")
@@ -61,7 +57,7 @@ def main() -> None:
     t_start = time.perf_counter()
 
     preset = PRESETS["gpu"]
-    spec = dict(task=args.task, seq_len=args.seq_len, mixer=args.mixer, lr=args.lr, seed=args.seed)
+    spec = spec_from_arguments(args)
     mixer = {} if args.head_dim is None else {"head_dim": args.head_dim}
     train_change = {} if args.steps is None else {"steps": args.steps}
     device = "cuda"

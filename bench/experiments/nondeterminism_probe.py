@@ -19,15 +19,13 @@ import os
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_setup
+from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import build_model, data_seed, masked_loss_and_accuracy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--mixer", required=True)
+    add_spec_arguments(ap)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--device", default="cuda")
@@ -36,7 +34,7 @@ def main() -> None:
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True, warn_only=True)
-    spec = dict(task=args.task, seq_len=args.seq_len, mixer=args.mixer, lr=1e-3, seed=0)
+    spec = spec_from_arguments(args)
     mixer = (
         {} if args.device == "cuda" else {"backend": "torch", "kernel_dtype": "float32"}
     )  # a CPU smoke run

@@ -170,6 +170,22 @@ def run_setup(
     return task, model_config, train_config
 
 
+def add_spec_arguments(parser: argparse.ArgumentParser, mixer: str | None = None) -> None:
+    """Add the options that name one run (`--task`, `--seq-len`, `--mixer`, `--lr`, `--seed`) to `parser`, for
+    the scripts in bench/experiments that train a run of the sweep again; `mixer` is a default (else required).
+    `spec_from_arguments` reads them back as a spec."""
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--mixer", required=mixer is None, default=mixer)
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def spec_from_arguments(args: argparse.Namespace) -> dict:
+    """The spec (task, seq_len, mixer, lr, seed) of the options `add_spec_arguments` added."""
+    return {"task": args.task, "seq_len": args.seq_len, "mixer": args.mixer, "lr": args.lr, "seed": args.seed}
+
+
 def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
     """Train one run of a preset and return its record (configs, accuracy curve, wall time)."""
     task, model_config, train_config = run_setup(preset, spec)

@@ -240,3 +240,22 @@ def test_a_deadline_starts_the_longest_runs_first_and_only_runs_that_fit(tmp_pat
     monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "seeds": [0, 1, 2]})
     data = run_sweep("tiny", out, workers=1, device="cpu", deadline_minutes=600.0)
     assert [r["seq_len"] for r in data["runs"] if r["seed"] == 2] == [32, 16]  # longest first
+
+
+def test_the_experiments_name_a_run_by_the_same_options():
+    """add_spec_arguments / spec_from_arguments: the options of bench/experiments' scripts give the spec that
+    run_setup and the results files use; --mixer is required unless a default is given."""
+    import argparse
+
+    from kda_edu.chapters.ch12_recall_sweep import add_spec_arguments, spec_from_arguments
+
+    ap = argparse.ArgumentParser()
+    add_spec_arguments(ap)
+    args = ap.parse_args(["--task", "mqar", "--seq-len", "256", "--mixer", "kda", "--lr", "1e-3"])
+    assert spec_from_arguments(args) == {"task": "mqar", "seq_len": 256, "mixer": "kda", "lr": 1e-3, "seed": 0}
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--task", "mqar", "--seq-len", "256", "--lr", "1e-3"])
+    ap = argparse.ArgumentParser()
+    add_spec_arguments(ap, mixer="gated_deltanet")
+    args = ap.parse_args(["--task", "palindrome", "--seq-len", "128", "--lr", "1e-3", "--seed", "1"])
+    assert spec_from_arguments(args)["mixer"] == "gated_deltanet" and spec_from_arguments(args)["seed"] == 1

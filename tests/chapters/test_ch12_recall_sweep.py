@@ -252,7 +252,13 @@ def test_the_experiments_name_a_run_by_the_same_options():
     ap = argparse.ArgumentParser()
     add_spec_arguments(ap)
     args = ap.parse_args(["--task", "mqar", "--seq-len", "256", "--mixer", "kda", "--lr", "1e-3"])
-    assert spec_from_arguments(args) == {"task": "mqar", "seq_len": 256, "mixer": "kda", "lr": 1e-3, "seed": 0}
+    assert spec_from_arguments(args) == {
+        "task": "mqar",
+        "seq_len": 256,
+        "mixer": "kda",
+        "lr": 1e-3,
+        "seed": 0,
+    }
     with pytest.raises(SystemExit):
         ap.parse_args(["--task", "mqar", "--seq-len", "256", "--lr", "1e-3"])
     ap = argparse.ArgumentParser()

@@ -116,7 +116,9 @@ def test_the_sweep_records_its_invocations_and_reports_their_cost(tmp_path, monk
     monkeypatch.delenv("KDA_EDU_MPS")
     again = run_sweep("tiny", out, workers=1, device="cpu", skip=(("mqar", 32),))
     assert [(i["runs"], i["mps"]) for i in again["invocations"]] == [(2, True), (0, False)]
-    assert {r["invocation"] for r in again["runs"]} == {again["invocations"][0]["started"]}  # who trained them
+    assert {r["invocation"] for r in again["runs"]} == {
+        again["invocations"][0]["started"]
+    }  # who trained them
     assert len(run_specs(PRESETS["tiny"])) == 4
     assert sorted((r["seq_len"], r["lr"]) for r in data["runs"]) == [(16, 2e-3), (16, 5e-3)]
     assert [(i["runs"], i["gpus"], i["together"]) for i in data["invocations"]] == [(2, 0, 2)]

@@ -78,6 +78,7 @@ def main() -> None:
         "repeats": args.repeats,
         "losses": [],
         "outputs": {},
+        "grads": {},
     }
     for outs, grads, loss_value in repeats:
         report["losses"].append(loss_value)
@@ -86,11 +87,11 @@ def main() -> None:
             report["outputs"][name] = max(report["outputs"].get(name, 0.0), diff)
         for name, g in grads.items():
             diff = (g - first_grad[name]).abs().max().item()
-            report.setdefault("grads", {})[name] = max(report.get("grads", {}).get(name, 0.0), diff)
+            report["grads"][name] = max(report["grads"].get(name, 0.0), diff)
     report["module_order"] = order
     report["first_differing_output"] = next((n for n in order if report["outputs"][n] > 0), None)
     report["differing_grads"] = sorted(
-        (n for n, d in report.get("grads", {}).items() if d > 0), key=lambda n: -report["grads"][n]
+        (n for n, d in report["grads"].items() if d > 0), key=lambda n: -report["grads"][n]
     )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -6,8 +6,8 @@
 A preset (`PRESETS`) fixes the model (the same `RecallLM` for every mixer, at equal state size), the training
 recipe, the tasks and their lengths, the mixers, the seeds and the learning rates. Every combination is one
 run of `kda_edu.training.train.train`. Each finished run is appended to the JSON file at once (with its full task,
-model and training configuration, its accuracy curve, its wall time and the invocation that trained it), and a CSV with one row per run is
-written beside it; running the same command again skips the runs already in the file, so a sweep can be
+model and training configuration, its accuracy curve, its wall time and the invocation that trained it), and a
+CSV with one row per run is written beside it; running the same command again skips the runs already in the file, so a sweep can be
 split over several invocations (`--max-minutes`). Each invocation also records its wall time and GPU count
 under "invocations", from which `--cost` reports the GPU-minutes the file's runs took.
 

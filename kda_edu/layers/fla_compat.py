@@ -28,6 +28,7 @@ import math
 import torch
 
 from kda_edu.layers.kda_layer import GATE_PARAMETERS, KDACache, KDAConfig, KDALayer
+from kda_edu.ops._checks import compute_dtype
 
 # Parameters whose name differs, ours -> fla's (dt_bias and the convolution also change shape).
 _RENAMED = {
@@ -46,10 +47,6 @@ _SAME = (
     "o_norm.weight",
     "o_proj.weight",
 )
-
-
-def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _check_convertible(config: KDAConfig) -> None:
@@ -115,7 +112,7 @@ def from_fla_state_dict(state_dict: dict[str, torch.Tensor], config: KDAConfig) 
     out["conv.weight"] = torch.cat(conv, dim=0)
     out["dt_bias"] = state_dict["dt_bias"].reshape(HV, K)
     for name in GATE_PARAMETERS:
-        out[name] = out[name].to(_gate_dtype(out[name].dtype))
+        out[name] = out[name].to(compute_dtype(out[name].dtype))
     return out
 
 

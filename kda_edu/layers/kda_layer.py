@@ -234,7 +234,7 @@ def apply_keeping_gates(module: nn.Module, fn, recurse: bool = True) -> nn.Modul
     nn.Module._apply(module, fn, recurse)
     for name, old in before.items():
         parameter = getattr(module, name)
-        wanted = torch.promote_types(parameter.dtype, torch.float32)
+        wanted = compute_dtype(parameter.dtype)  # the dtype the gate is computed in
         if parameter.dtype != wanted:
             parameter.data = old.to(device=parameter.device, dtype=wanted)
             if parameter.grad is not None:

@@ -647,6 +647,35 @@ def ordering(summary: list[dict], task: str, seq_len: int) -> list[str]:
     return [r["mixer"] for r in sorted(rows, key=lambda r: -r["mean"])]
 
 
+def tiers(summary: list[dict], task: str, seq_len: int) -> list[list[str]]:
+    """The mixers of one task and length in tiers, best mean first: a mixer opens a new tier when its best seed
+    is below the worst seed of every mixer in the current tier (their seed ranges do not overlap); otherwise
+    it joins the tier, whose members the seeds cannot order. With one seed a cell's range is a point."""
+    rows = sorted(
+        (r for r in summary if r["task"] == task and r["seq_len"] == seq_len), key=lambda r: -r["mean"]
+    )
+    groups: list[list[dict]] = []
+    for r in rows:
+        if groups and r["max"] >= min(m["min"] for m in groups[-1]):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [[r["mixer"] for r in g] for g in groups]
+
+
+def tier_text(groups: list[list[str]]) -> str:
+    """Tiers as text: `>` between tiers, `~` inside one (e.g. "attention > KDA ~ DeltaNet > ...")."""
+    return " > ".join(" ~ ".join(LABELS[m] for m in g) for g in groups)
+
+
+def seed_relation(summary: list[dict], task: str, seq_len: int, a: str, b: str) -> str:
+    """How mixer `a` stands against mixer `b` in one cell, each at its best rate: ">" when every seed of `a`
+    scored above every seed of `b`, "<" for the reverse, "~" when their seed ranges overlap."""
+    row = {r["mixer"]: r for r in summary if r["task"] == task and r["seq_len"] == seq_len}
+    ra, rb = row[a], row[b]
+    return ">" if ra["min"] > rb["max"] else "<" if ra["max"] < rb["min"] else "~"
+
+
 def accuracy_curve(
     runs: list[dict], task: str, seq_len: int, mixer: str, lr: float
 ) -> dict[str, list[float]]:

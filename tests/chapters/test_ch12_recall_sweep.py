@@ -13,6 +13,10 @@ from kda_edu.chapters.ch12_recall_sweep import (
     expected_seconds,
     run_specs,
     run_sweep,
+    seed_relation,
+    summarize,
+    tier_text,
+    tiers,
 )
 
 
@@ -268,3 +272,34 @@ def test_the_experiments_name_a_run_by_the_same_options():
     add_spec_arguments(ap, mixer="gated_deltanet")
     args = ap.parse_args(["--task", "palindrome", "--seq-len", "128", "--lr", "1e-3", "--seed", "1"])
     assert spec_from_arguments(args)["mixer"] == "gated_deltanet" and spec_from_arguments(args)["seed"] == 1
+
+
+def runs_of(cell: dict[str, list[float]]) -> list[dict]:
+    """Records of one task and length: {mixer: [final accuracy of seed 0, seed 1, ...]} at one rate."""
+    return [
+        {"task": "mqar", "seq_len": 256, "mixer": m, "lr": 1e-3, "seed": s, "final_acc": a}
+        for m, accs in cell.items()
+        for s, a in enumerate(accs)
+    ]
+
+
+def test_tiers_split_only_where_every_seed_above_beats_every_seed_below():
+    summary = summarize(
+        runs_of(
+            {
+                "deltanet": [0.99, 0.98],
+                "kda": [0.97, 0.99],
+                "linear_attention": [0.5, 0.6],
+                "attention": [0.1, 0.2],
+            }
+        )
+    )
+    assert tiers(summary, "mqar", 256) == [["deltanet", "kda"], ["linear_attention"], ["attention"]]
+    assert seed_relation(summary, "mqar", 256, "deltanet", "kda") == "~"
+    assert seed_relation(summary, "mqar", 256, "kda", "linear_attention") == ">"
+    assert seed_relation(summary, "mqar", 256, "attention", "linear_attention") == "<"
+    # A mixer whose seeds disagree completely overlaps everything between them: one tier, not a false order.
+    summary = summarize(runs_of({"deltanet": [0.99, 0.99], "attention": [1.0, 0.1], "kda": [0.5, 0.4]}))
+    assert tiers(summary, "mqar", 256) == [["deltanet", "attention", "kda"]]
+    assert seed_relation(summary, "mqar", 256, "deltanet", "kda") == ">"  # the pair is still ordered
+    assert tier_text([["deltanet"], ["kda", "attention"]]) == "DeltaNet > KDA ~ softmax attention"

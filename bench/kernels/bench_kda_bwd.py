@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from kda_edu.kernels import chunk as chunk_module
 from kda_edu.kernels import chunk_kda
+from kda_edu.kernels.chunk import inverse_method
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 D = 128
@@ -58,6 +60,13 @@ def _fla(x):
     return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
 
 
+def _doubling(x):
+    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[0]
+
+
+_doubling.inverse = "doubling"  # `step` and `memory_gib` run its forward and backward under inverse_method
+
+
 METHODS = {
     "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[
         0
@@ -68,10 +77,13 @@ METHODS = {
     )[0],
     "fla chunk_kda": _fla,
 }
+if os.environ.get("BENCH_DOUBLING"):  # issue 20's A/B (bench/NOTES.md, session 13): the doubling inverse too
+    METHODS["kda_edu chunk_kda doubling"] = _doubling
 
 
 def step(fn, x, do):
-    fn(x).backward(do)
+    with inverse_method(getattr(fn, "inverse", chunk_module.INVERSE)):
+        fn(x).backward(do)
 
 
 def memory_gib(fn, x, do):
@@ -81,11 +93,12 @@ def memory_gib(fn, x, do):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    o = fn(x)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward
-    o.backward(do)
-    del o
+    with inverse_method(getattr(fn, "inverse", chunk_module.INVERSE)):
+        o = fn(x)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward
+        o.backward(do)
+        del o
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30, held / 2**30
 

@@ -65,6 +65,9 @@ from the first such row on to NaN; the state update kd^T U reads the NaN rows, s
 is NaN, as in the loop. The outputs before t are exact.
 """
 
+import contextlib
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +82,11 @@ SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
 # Above this many powers of two, a half sub-chunk's gate sum is too large for the anchored split of the
 # diagonal block (both factors must stay normal float32 numbers, 2^-126 .. 2^127, with room for |k| < 1).
 DIAG_LIMIT = tl.constexpr(96.0)
+# How the prepare kernel inverts the diagonal 16 x 16 blocks of I + L: "substitution" (`_unit_lower_inverse`,
+# the default) or "doubling" (`_doubling_inverse`, as accurate and with fewer dependent steps; not yet timed on
+# a GPU: bench/NOTES.md, session 13). KDA_EDU_INVERSE sets it for a process (the benchmarks' A/B).
+INVERSES = ("substitution", "doubling")
+INVERSE = os.environ.get("KDA_EDU_INVERSE", "substitution")
 # Gates are raised to this as they are loaded (kda_edu.ops._checks.GATE_FLOOR: exp of it is 0 in float32), so a
 # reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
 KERNEL_GATE_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
@@ -139,6 +147,44 @@ def _unit_lower_inverse(L0, L1, L2, L3, BC: tl.constexpr):
         X2 = _substitute_row(L2, X2, i, r)
         X3 = _substitute_row(L3, X3, i, r)
     return X0, X1, X2, X3
+
+
+@jit
+def _substitution_inverse(L, BC: tl.constexpr):
+    """(I + L)^-1 of one strictly lower-triangular 16 x 16 block by forward substitution (`_unit_lower_inverse`'s
+    chain for a single block)."""
+    r = tl.arange(0, BC)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BC):
+        X = _substitute_row(L, X, i, r)
+    return X
+
+
+@jit
+def _doubling_inverse(L, BC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block by recursive doubling: with X the inverses of
+    the diagonal blocks of size b (block diagonal), those of size 2b are X - X M X, M the lower-left b x b
+    blocks of L inside each 2b block. Three levels (2 -> 4 -> 8 -> 16) of two exact float32 products each,
+    instead of the substitution's fifteen dependent rows of cross-thread sums. Every intermediate is an entry
+    of the inverse itself (no powers of L, unlike the product form (I - L)(I + L^2)(I + L^4)(I + L^8)), so
+    its rounding is the substitution's: on nearly parallel keys 1.5e-7 relative in float32, against 2.3e-7
+    for the substitution and 3.0e-4 for the product form (bench/NOTES.md, session 13).
+
+    A product reads every row, so a non-finite entry anywhere would reach the earlier rows (0 * inf is NaN):
+    a block whose result is not finite is computed again by substitution (`_substitution_inverse`), which
+    keeps a bad row from reaching the rows before it."""
+    r = tl.arange(0, BC)
+    ri, rj = r[:, None], r[None, :]
+    X = tl.where(ri == rj, 1.0, 0.0) - tl.where(ri // 2 == rj // 2, L, 0.0)  # the 2 x 2 blocks: I - L
+    M = tl.where((ri // 2 != rj // 2) & (ri // 4 == rj // 4), L, 0.0)
+    X = X - tl.dot(tl.dot(X, M, input_precision="ieee"), X, input_precision="ieee")
+    M = tl.where((ri // 4 != rj // 4) & (ri // 8 == rj // 8), L, 0.0)
+    X = X - tl.dot(tl.dot(X, M, input_precision="ieee"), X, input_precision="ieee")
+    M = tl.where(ri // 8 != rj // 8, L, 0.0)
+    X = X - tl.dot(tl.dot(X, M, input_precision="ieee"), X, input_precision="ieee")
+    if tl.sum(tl.where(tl.abs(X) < float("inf"), 0.0, 1.0)) > 0:  # NaN compares false: counted too
+        X = _substitution_inverse(L, BC)
+    return X
 
 
 @jit
@@ -281,6 +327,7 @@ def _chunk_prepare_kernel(
     PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     STORE_X: tl.constexpr = False,
+    DOUBLING: tl.constexpr = False,
 ):
     """One program per (chunk, value head): everything of the chunk that does not depend on the state.
 
@@ -387,13 +434,19 @@ def _chunk_prepare_kernel(
         tl.maximum(bad3, f3),
     )
     strict = rc[:, None] > rc[None, :]
-    x0, x1, x2, x3 = _unit_lower_inverse(
-        tl.where(strict, b0 * a00, 0.0),
-        tl.where(strict, b1 * a11, 0.0),
-        tl.where(strict, b2 * a22, 0.0),
-        tl.where(strict, b3 * a33, 0.0),
-        BC,
-    )
+    if DOUBLING:  # the inverse `INVERSE` picks (bench/NOTES.md, session 13: to be timed against substitution)
+        x0 = _doubling_inverse(tl.where(strict, b0 * a00, 0.0), BC)
+        x1 = _doubling_inverse(tl.where(strict, b1 * a11, 0.0), BC)
+        x2 = _doubling_inverse(tl.where(strict, b2 * a22, 0.0), BC)
+        x3 = _doubling_inverse(tl.where(strict, b3 * a33, 0.0), BC)
+    else:
+        x0, x1, x2, x3 = _unit_lower_inverse(
+            tl.where(strict, b0 * a00, 0.0),
+            tl.where(strict, b1 * a11, 0.0),
+            tl.where(strict, b2 * a22, 0.0),
+            tl.where(strict, b3 * a33, 0.0),
+            BC,
+        )
     a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
 
     # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
@@ -685,15 +738,18 @@ def scan_value_block(programs: int, V: int, BVP: int) -> int:
     return bv
 
 
-def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4):
+def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4, inverse=None):
     """Allocate the prepare kernel's outputs and launch it on contiguous inputs; forward and backward share
     this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
 
     Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
     x (X = (I + L)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
-    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program.
+    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program,
+    `inverse` the diagonal blocks' inverse, "substitution" or "doubling" (default: the module's `INVERSE`).
     """
+    if (inverse or INVERSE) not in INVERSES:
+        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse or INVERSE!r}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT, NCH, chunks, _ = layout
@@ -717,9 +773,23 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
     kernel = _chunk_prepare_kernel[(NCH, HV)](
         q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
         BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=chunks is not None,
-        STORE_X=store_x, num_warps=warps,
+        STORE_X=store_x, DOUBLING=(inverse or INVERSE) == "doubling", num_warps=warps,
     )  # fmt: skip
     return buffers, kernel
+
+
+@contextlib.contextmanager
+def inverse_method(name: str):
+    """Within the block, the prepare kernel (forward and the backward's recomputation) inverts the diagonal
+    blocks by `name` ("substitution" or "doubling"): the benchmarks time both in one process."""
+    global INVERSE
+    if name not in INVERSES:
+        raise ValueError(f"inverse must be one of {INVERSES}, got {name!r}")
+    before, INVERSE = INVERSE, name
+    try:
+        yield
+    finally:
+        INVERSE = before
 
 
 # The two kernels by stage, for tools that launch one of them alone (chapter 8's `scan`). The functions keep

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kda_edu.kernels import chunk as chunk_module
 from kda_edu.kernels import chunk_kda
-from kda_edu.kernels.chunk import inverse_method
+from kda_edu.kernels.chunk import prepare_design
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 D = 128
@@ -60,11 +59,15 @@ def _fla(x):
     return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
 
 
-def _doubling(x):
-    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[0]
+def _designed(**design):
+    """Ours with the prepare kernel built another way; `step` and `memory_gib` run its forward and backward
+    under `prepare_design(**fn.design)`."""
 
+    def fn(x):
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[0]
 
-_doubling.inverse = "doubling"  # `step` and `memory_gib` run its forward and backward under inverse_method
+    fn.design = design
+    return fn
 
 
 METHODS = {
@@ -77,12 +80,13 @@ METHODS = {
     )[0],
     "fla chunk_kda": _fla,
 }
-if os.environ.get("BENCH_DOUBLING"):  # issue 20's A/B (bench/NOTES.md, session 13): the doubling inverse too
-    METHODS["kda_edu chunk_kda doubling"] = _doubling
+if os.environ.get("BENCH_DESIGNS"):  # issue 20's A/B (bench/NOTES.md, session 13): the prepare designs too
+    METHODS["kda_edu chunk_kda doubling"] = _designed(inverse="doubling")
+    METHODS["kda_edu chunk_kda two_pass"] = _designed(two_pass=True)
 
 
 def step(fn, x, do):
-    with inverse_method(getattr(fn, "inverse", chunk_module.INVERSE)):
+    with prepare_design(**getattr(fn, "design", {})):
         fn(x).backward(do)
 
 
@@ -93,7 +97,7 @@ def memory_gib(fn, x, do):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    with inverse_method(getattr(fn, "inverse", chunk_module.INVERSE)):
+    with prepare_design(**getattr(fn, "design", {})):
         o = fn(x)
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward

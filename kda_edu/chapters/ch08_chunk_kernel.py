@@ -35,7 +35,16 @@ import triton.language as tl
 
 from kda_edu.chapters.ch08_chunk_v0 import v0_forward
 from kda_edu.kernels._backend import jit
-from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_kda_fwd, chunk_layout, pow2, prepare_chunks
+from kda_edu.kernels.chunk import (
+    CHUNK,
+    DESIGN,
+    KERNELS,
+    SUB,
+    chunk_kda_fwd,
+    chunk_layout,
+    pow2,
+    prepare_chunks,
+)
 from kda_edu.ops._chunks import chunk_inputs
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
 
@@ -395,7 +404,17 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
     prepare = dict(
         signature={**_BF16_IN, **_BF16_MID, "x_inv": "*fp32", "chunks": "*i32", **ints, "scale": "fp32"},
         constexprs=dict(
-            BT=CHUNK, BC=SUB, BK=K, BV=V, KC=32, VC=32, PREC="tf32", IS_VARLEN=False, STORE_X=False
+            BT=CHUNK,
+            BC=SUB,
+            BK=K,
+            BV=V,
+            KC=32,
+            VC=32,
+            PREC="tf32",
+            IS_VARLEN=False,
+            STORE_X=False,
+            DOUBLING=DESIGN["inverse"] == "doubling",
+            TWO_PASS=DESIGN["two_pass"],
         ),
         options=dict(num_warps=4),
     )

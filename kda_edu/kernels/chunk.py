@@ -82,11 +82,22 @@ SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
 # Above this many powers of two, a half sub-chunk's gate sum is too large for the anchored split of the
 # diagonal block (both factors must stay normal float32 numbers, 2^-126 .. 2^127, with room for |k| < 1).
 DIAG_LIMIT = tl.constexpr(96.0)
-# How the prepare kernel inverts the diagonal 16 x 16 blocks of I + L: "substitution" (`_unit_lower_inverse`,
-# the default) or "doubling" (`_doubling_inverse`, as accurate and with fewer dependent steps; not yet timed on
-# a GPU: bench/NOTES.md, session 13). KDA_EDU_INVERSE sets it for a process (the benchmarks' A/B).
+# How the prepare kernel is built: issue 20's designs under test (bench/NOTES.md, session 13), timed against
+# the default before either becomes it. `inverse`: the diagonal 16 x 16 blocks of I + L inverted by
+# "substitution" (`_unit_lower_inverse`, the default) or "doubling" (`_doubling_inverse`: as accurate, fewer
+# dependent steps). `two_pass`: Aqk and qg in a pass of their own before A, so that only half of pass 1's
+# twenty accumulators are alive at once (the kernel spills at 255 registers), at the price of loading the
+# keys' blocks twice. KDA_EDU_PREPARE ("doubling", "two_pass", comma-separated) sets them for a process,
+# `prepare_design(...)` within a block (the benchmarks' A/B).
 INVERSES = ("substitution", "doubling")
-INVERSE = os.environ.get("KDA_EDU_INVERSE", "substitution")
+DESIGN = {"inverse": "substitution", "two_pass": False}
+for _flag in filter(None, os.environ.get("KDA_EDU_PREPARE", "").split(",")):
+    if _flag == "doubling":
+        DESIGN["inverse"] = "doubling"
+    elif _flag == "two_pass":
+        DESIGN["two_pass"] = True
+    else:
+        raise ValueError(f"KDA_EDU_PREPARE: unknown design {_flag!r} (expected doubling, two_pass)")
 # Gates are raised to this as they are loaded (kda_edu.ops._checks.GATE_FLOOR: exp of it is 0 in float32), so a
 # reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
 KERNEL_GATE_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
@@ -248,6 +259,77 @@ def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
 
 
 @jit
+def _diag_gram(x_a, k_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+    """`_diag_grams` for one kind of rows: M_ij = sum_c x_ic k_jc 2^(gc_ic - gc_jc), x the keys or the queries
+    of the block (the two-pass design computes them in different passes)."""
+    mid, span = diag_span(gc_a, BC)
+    if span <= DIAG_LIMIT:
+        M = tl.dot(
+            x_a * tl.exp2(gc_a - mid[None, :]),
+            tl.trans(k_a * tl.exp2(mid[None, :] - gc_a)),
+            input_precision=PREC,
+        )
+    else:  # exact pairwise form, as in `_diag_grams`
+        rc = tl.arange(0, BC)
+        M = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(BC):
+            pick = (rc == j)[:, None]
+            k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
+            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+            M = tl.where(rc[None, :] == j, tl.sum(x_a * e, axis=1)[:, None], M)
+    return M
+
+
+@jit
+def _rows_against_keys(
+    x0, x1, x2, x3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC: tl.constexpr, PREC: tl.constexpr
+):
+    """The ten blocks on and below the diagonal of one gated Gram matrix over KC key columns: rows x (the
+    keys for A, the queries for Aqk) against the keys, anchored as pass 1 anchors them (`_pair`, `_diag_grams`).
+    Returns (x10, x20, x21, x30, x31, x32, x00, x11, x22, x33)."""
+    return (
+        tl.dot(x1 * tl.exp2(l1), tl.trans(c0), input_precision=PREC),
+        tl.dot(x2 * tl.exp2(l2 + s1), tl.trans(c0), input_precision=PREC),
+        tl.dot(x2 * tl.exp2(l2), tl.trans(c1), input_precision=PREC),
+        tl.dot(x3 * tl.exp2(l3 + s1 + s2), tl.trans(c0), input_precision=PREC),
+        tl.dot(x3 * tl.exp2(l3 + s2), tl.trans(c1), input_precision=PREC),
+        tl.dot(x3 * tl.exp2(l3), tl.trans(c2), input_precision=PREC),
+        _diag_gram(x0, k0, l0, BC, PREC),
+        _diag_gram(x1, k1, l1, BC, PREC),
+        _diag_gram(x2, k2, l2, BC, PREC),
+        _diag_gram(x3, k3, l3, BC, PREC),
+    )
+
+
+@jit
+def _store_aqk(
+    aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC: tl.constexpr, BT: tl.constexpr
+):
+    """Aqk of one chunk, whole: the blocks on and below the diagonal (lower triangle of the diagonal blocks),
+    zeros above."""
+    rc = tl.arange(0, BC)
+    lower_eq = rc[:, None] >= rc[None, :]
+    _store_block(aqk, row0, 0, BC, BT, rc, tl.where(lower_eq, q00, 0.0))
+    _store_block(aqk, row0, 1, BC, BT, rc, q10)
+    _store_block(aqk, row0, 1, BC, BT, BC + rc, tl.where(lower_eq, q11, 0.0))
+    _store_block(aqk, row0, 2, BC, BT, rc, q20)
+    _store_block(aqk, row0, 2, BC, BT, BC + rc, q21)
+    _store_block(aqk, row0, 2, BC, BT, 2 * BC + rc, tl.where(lower_eq, q22, 0.0))
+    _store_block(aqk, row0, 3, BC, BT, rc, q30)
+    _store_block(aqk, row0, 3, BC, BT, BC + rc, q31)
+    _store_block(aqk, row0, 3, BC, BT, 2 * BC + rc, q32)
+    _store_block(aqk, row0, 3, BC, BT, 3 * BC + rc, tl.where(lower_eq, q33, 0.0))
+    zero = tl.zeros([BC, BC], dtype=tl.float32)  # and the blocks above the diagonal, so that Aqk reads whole
+    _store_block(aqk, row0, 0, BC, BT, BC + rc, zero)
+    _store_block(aqk, row0, 0, BC, BT, 2 * BC + rc, zero)
+    _store_block(aqk, row0, 0, BC, BT, 3 * BC + rc, zero)
+    _store_block(aqk, row0, 1, BC, BT, 2 * BC + rc, zero)
+    _store_block(aqk, row0, 1, BC, BT, 3 * BC + rc, zero)
+    _store_block(aqk, row0, 2, BC, BT, 3 * BC + rc, zero)
+
+
+@jit
 def _solve(b0, b1, b2, b3, x0, x1, x2, x3, l10, l20, l21, l30, l31, l32, PREC: tl.constexpr):
     """Block forward substitution: rows of (I + L)^-1 B, 16 at a time; x_a = (I + L_aa)^-1."""
     r0 = tl.dot(x0, b0, input_precision=PREC)
@@ -328,6 +410,7 @@ def _chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr,
     STORE_X: tl.constexpr = False,
     DOUBLING: tl.constexpr = False,
+    TWO_PASS: tl.constexpr = False,
 ):
     """One program per (chunk, value head): everything of the chunk that does not depend on the state.
 
@@ -362,65 +445,80 @@ def _chunk_prepare_kernel(
     # are set to NaN, and the scan kernel spoils the outputs from the first such row on (and the state).
     bad0 = tl.zeros([BC], dtype=tl.float32)
     bad1, bad2, bad3 = bad0, bad0, bad0
-    for kc in range(0, BK, KC):
-        cols = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
-            k_h, g_h, cols, H, HV, K, n_t, BC
-        )
-        bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
-        bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
-        c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+    if TWO_PASS:  # Aqk and qg first, then A: ten accumulators alive at a time instead of twenty
+        for kc in range(0, BK, KC):
+            cols = kc + tl.arange(0, KC)
+            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, _, _, _, _ = _key_blocks(
+                k_h, g_h, cols, H, HV, K, n_t, BC
+            )
+            c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+            q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
+            q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+            q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+            q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+            y10, y20, y21, y30, y31, y32, y00, y11, y22, y33 = _rows_against_keys(
+                q0, q1, q2, q3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC, PREC
+            )
+            q10, q20, q21, q30, q31, q32 = q10 + y10, q20 + y20, q21 + y21, q30 + y30, q31 + y31, q32 + y32
+            q00, q11, q22, q33 = q00 + y00, q11 + y11, q22 + y22, q33 + y33
+            _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+            _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+            _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+            _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
+        _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
+        for kc in range(0, BK, KC):
+            cols = kc + tl.arange(0, KC)
+            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
+                k_h, g_h, cols, H, HV, K, n_t, BC
+            )
+            bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
+            bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
+            c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+            y10, y20, y21, y30, y31, y32, y00, y11, y22, y33 = _rows_against_keys(
+                k0, k1, k2, k3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC, PREC
+            )
+            a10, a20, a21, a30, a31, a32 = a10 + y10, a20 + y20, a21 + y21, a30 + y30, a31 + y31, a32 + y32
+            a00, a11, a22, a33 = a00 + y00, a11 + y11, a22 + y22, a33 + y33
+    else:
+        for kc in range(0, BK, KC):
+            cols = kc + tl.arange(0, KC)
+            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
+                k_h, g_h, cols, H, HV, K, n_t, BC
+            )
+            bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
+            bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
+            c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
 
-        q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
-        q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
-        x, y = _pair(k1, q1, l1, c0, PREC)
-        a10, q10 = a10 + x, q10 + y
-        q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
-        x, y = _pair(k2, q2, l2 + s1, c0, PREC)
-        a20, q20 = a20 + x, q20 + y
-        x, y = _pair(k2, q2, l2, c1, PREC)
-        a21, q21 = a21 + x, q21 + y
-        q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
-        x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
-        a30, q30 = a30 + x, q30 + y
-        x, y = _pair(k3, q3, l3 + s2, c1, PREC)
-        a31, q31 = a31 + x, q31 + y
-        x, y = _pair(k3, q3, l3, c2, PREC)
-        a32, q32 = a32 + x, q32 + y
-        x, y = _diag_grams(k0, q0, l0, BC, PREC)
-        a00, q00 = a00 + x, q00 + y
-        x, y = _diag_grams(k1, q1, l1, BC, PREC)
-        a11, q11 = a11 + x, q11 + y
-        x, y = _diag_grams(k2, q2, l2, BC, PREC)
-        a22, q22 = a22 + x, q22 + y
-        x, y = _diag_grams(k3, q3, l3, BC, PREC)
-        a33, q33 = a33 + x, q33 + y
-        # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
-        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
-        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
-        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
-        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
-
-    # Aqk: the blocks on and below the diagonal (lower triangle of the diagonal blocks), zeros above.
-    lower_eq = rc[:, None] >= rc[None, :]
-    cc = tl.arange(0, BC)
-    _store_block(aqk, row0, 0, BC, BT, cc, tl.where(lower_eq, q00, 0.0))
-    _store_block(aqk, row0, 1, BC, BT, cc, q10)
-    _store_block(aqk, row0, 1, BC, BT, BC + cc, tl.where(lower_eq, q11, 0.0))
-    _store_block(aqk, row0, 2, BC, BT, cc, q20)
-    _store_block(aqk, row0, 2, BC, BT, BC + cc, q21)
-    _store_block(aqk, row0, 2, BC, BT, 2 * BC + cc, tl.where(lower_eq, q22, 0.0))
-    _store_block(aqk, row0, 3, BC, BT, cc, q30)
-    _store_block(aqk, row0, 3, BC, BT, BC + cc, q31)
-    _store_block(aqk, row0, 3, BC, BT, 2 * BC + cc, q32)
-    _store_block(aqk, row0, 3, BC, BT, 3 * BC + cc, tl.where(lower_eq, q33, 0.0))
-    zero = tl.zeros([BC, BC], dtype=tl.float32)  # and the blocks above the diagonal, so that Aqk reads whole
-    _store_block(aqk, row0, 0, BC, BT, BC + cc, zero)
-    _store_block(aqk, row0, 0, BC, BT, 2 * BC + cc, zero)
-    _store_block(aqk, row0, 0, BC, BT, 3 * BC + cc, zero)
-    _store_block(aqk, row0, 1, BC, BT, 2 * BC + cc, zero)
-    _store_block(aqk, row0, 1, BC, BT, 3 * BC + cc, zero)
-    _store_block(aqk, row0, 2, BC, BT, 3 * BC + cc, zero)
+            q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
+            q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+            x, y = _pair(k1, q1, l1, c0, PREC)
+            a10, q10 = a10 + x, q10 + y
+            q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+            x, y = _pair(k2, q2, l2 + s1, c0, PREC)
+            a20, q20 = a20 + x, q20 + y
+            x, y = _pair(k2, q2, l2, c1, PREC)
+            a21, q21 = a21 + x, q21 + y
+            q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+            x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
+            a30, q30 = a30 + x, q30 + y
+            x, y = _pair(k3, q3, l3 + s2, c1, PREC)
+            a31, q31 = a31 + x, q31 + y
+            x, y = _pair(k3, q3, l3, c2, PREC)
+            a32, q32 = a32 + x, q32 + y
+            x, y = _diag_grams(k0, q0, l0, BC, PREC)
+            a00, q00 = a00 + x, q00 + y
+            x, y = _diag_grams(k1, q1, l1, BC, PREC)
+            a11, q11 = a11 + x, q11 + y
+            x, y = _diag_grams(k2, q2, l2, BC, PREC)
+            a22, q22 = a22 + x, q22 + y
+            x, y = _diag_grams(k3, q3, l3, BC, PREC)
+            a33, q33 = a33 + x, q33 + y
+            # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
+            _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+            _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+            _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+            _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
+        _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
 
     # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
     b0, f0 = _clean(tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None])
@@ -434,7 +532,7 @@ def _chunk_prepare_kernel(
         tl.maximum(bad3, f3),
     )
     strict = rc[:, None] > rc[None, :]
-    if DOUBLING:  # the inverse `INVERSE` picks (bench/NOTES.md, session 13: to be timed against substitution)
+    if DOUBLING:  # DESIGN["inverse"] (bench/NOTES.md, session 13: to be timed against substitution)
         x0 = _doubling_inverse(tl.where(strict, b0 * a00, 0.0), BC)
         x1 = _doubling_inverse(tl.where(strict, b1 * a11, 0.0), BC)
         x2 = _doubling_inverse(tl.where(strict, b2 * a22, 0.0), BC)
@@ -738,18 +836,16 @@ def scan_value_block(programs: int, V: int, BVP: int) -> int:
     return bv
 
 
-def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4, inverse=None):
+def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4):
     """Allocate the prepare kernel's outputs and launch it on contiguous inputs; forward and backward share
     this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
 
     Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
     x (X = (I + L)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
-    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program,
-    `inverse` the diagonal blocks' inverse, "substitution" or "doubling" (default: the module's `INVERSE`).
+    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program; the
+    kernel is built as `DESIGN` says.
     """
-    if (inverse or INVERSE) not in INVERSES:
-        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse or INVERSE!r}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NT, NCH, chunks, _ = layout
@@ -773,23 +869,23 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
     kernel = _chunk_prepare_kernel[(NCH, HV)](
         q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
         BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=chunks is not None,
-        STORE_X=store_x, DOUBLING=(inverse or INVERSE) == "doubling", num_warps=warps,
+        STORE_X=store_x, DOUBLING=DESIGN["inverse"] == "doubling", TWO_PASS=DESIGN["two_pass"], num_warps=warps,
     )  # fmt: skip
     return buffers, kernel
 
 
 @contextlib.contextmanager
-def inverse_method(name: str):
-    """Within the block, the prepare kernel (forward and the backward's recomputation) inverts the diagonal
-    blocks by `name` ("substitution" or "doubling"): the benchmarks time both in one process."""
-    global INVERSE
-    if name not in INVERSES:
-        raise ValueError(f"inverse must be one of {INVERSES}, got {name!r}")
-    before, INVERSE = INVERSE, name
+def prepare_design(inverse: str | None = None, two_pass: bool | None = None):
+    """Within the block, the prepare kernel (the forward's and the backward's recomputation) is built with
+    these `DESIGN` entries (None keeps the current one): the benchmarks time the designs in one process."""
+    if inverse is not None and inverse not in INVERSES:
+        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+    before = dict(DESIGN)
+    DESIGN.update({k: v for k, v in (("inverse", inverse), ("two_pass", two_pass)) if v is not None})
     try:
         yield
     finally:
-        INVERSE = before
+        DESIGN.update(before)
 
 
 # The two kernels by stage, for tools that launch one of them alone (chapter 8's `scan`). The functions keep

@@ -64,7 +64,9 @@ def test_the_design_benchmark_runs_every_design_on_the_cpu(tmp_path):
 
     script = SCRIPT.parent / "bench_prepare_designs.py"
     out = tmp_path / "designs.json"
-    run = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert set(row["designs"]) == {"default", "doubling", "two_pass", "doubling two_pass"}

@@ -2,7 +2,8 @@
 
 The designs (`kda_edu.kernels.chunk.DESIGN`, bench/NOTES.md session 13): the diagonal blocks' inverse by
 recursive doubling instead of substitution (`inverse="doubling"`), and pass 1 split into a queries' pass and a
-keys' pass (`two_pass=True`), alone and together. For each shape (bf16, K = V = 128, the inputs of
+keys' pass (`two_pass=True`), alone and together, and the two-pass designs with 16 key columns per step
+(`kc=16`: no spills offline). For each shape (bf16, K = V = 128, the inputs of
 bench_kda.py) the script records, per design: the forward's median time (`triton.testing.do_bench`), the
 prepare kernel's own time (torch profiler, one forward), its registers and spills, and the output's relative
 difference from the default design's (the designs change only float32 arithmetic inside the chunk, so the bf16
@@ -35,6 +36,8 @@ DESIGNS = {
     "doubling": {"inverse": "doubling"},
     "two_pass": {"two_pass": True},
     "doubling two_pass": {"inverse": "doubling", "two_pass": True},
+    "two_pass kc16": {"two_pass": True, "kc": 16},
+    "doubling two_pass kc16": {"inverse": "doubling", "two_pass": True, "kc": 16},
 }
 HEADLINE = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32), (1, 131072, 16)]
 

@@ -87,17 +87,22 @@ DIAG_LIMIT = tl.constexpr(96.0)
 # "substitution" (`_unit_lower_inverse`, the default) or "doubling" (`_doubling_inverse`: as accurate, fewer
 # dependent steps). `two_pass`: Aqk and qg in a pass of their own before A, so that only half of pass 1's
 # twenty accumulators are alive at once (the kernel spills at 255 registers), at the price of loading the
-# keys' blocks twice. KDA_EDU_PREPARE ("doubling", "two_pass", comma-separated) sets them for a process,
-# `prepare_design(...)` within a block (the benchmarks' A/B).
+# keys' blocks twice. `kc`: key (and value) columns per step of the passes when the launcher is not given
+# them (None: 32; with two_pass, 16 leaves no spill offline). KDA_EDU_PREPARE ("doubling", "two_pass",
+# "kc=16", comma-separated) sets them for a process, `prepare_design(...)` within a block (the benchmarks' A/B).
 INVERSES = ("substitution", "doubling")
-DESIGN = {"inverse": "substitution", "two_pass": False}
+DESIGN = {"inverse": "substitution", "two_pass": False, "kc": None}
 for _flag in filter(None, os.environ.get("KDA_EDU_PREPARE", "").split(",")):
     if _flag == "doubling":
         DESIGN["inverse"] = "doubling"
     elif _flag == "two_pass":
         DESIGN["two_pass"] = True
+    elif _flag.startswith("kc=") and _flag[3:] in ("16", "32", "64"):
+        DESIGN["kc"] = int(_flag[3:])
     else:
-        raise ValueError(f"KDA_EDU_PREPARE: unknown design {_flag!r} (expected doubling, two_pass)")
+        raise ValueError(
+            f"KDA_EDU_PREPARE: unknown design {_flag!r} (expected doubling, two_pass, kc=16|32|64)"
+        )
 # Gates are raised to this as they are loaded (kda_edu.ops._checks.GATE_FLOOR: exp of it is 0 in float32), so a
 # reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
 KERNEL_GATE_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
@@ -864,7 +869,7 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
     )
     if NCH == 0:
         return buffers, None
-    kc = kc or min(32, BK)
+    kc = min(kc or DESIGN["kc"] or 32, BK)
     w, u, qg, kd, aqk, gl, x = buffers.values()
     kernel = _chunk_prepare_kernel[(NCH, HV)](
         q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
@@ -875,13 +880,17 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
 
 
 @contextlib.contextmanager
-def prepare_design(inverse: str | None = None, two_pass: bool | None = None):
+def prepare_design(inverse: str | None = None, two_pass: bool | None = None, kc: int | None = None):
     """Within the block, the prepare kernel (the forward's and the backward's recomputation) is built with
     these `DESIGN` entries (None keeps the current one): the benchmarks time the designs in one process."""
     if inverse is not None and inverse not in INVERSES:
         raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+    if kc is not None and kc not in (16, 32, 64):
+        raise ValueError(f"kc must be 16, 32 or 64, got {kc!r}")
     before = dict(DESIGN)
-    DESIGN.update({k: v for k, v in (("inverse", inverse), ("two_pass", two_pass)) if v is not None})
+    DESIGN.update(
+        {k: v for k, v in (("inverse", inverse), ("two_pass", two_pass), ("kc", kc)) if v is not None}
+    )
     try:
         yield
     finally:

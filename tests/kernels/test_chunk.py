@@ -195,9 +195,12 @@ def test_the_doubling_inverse_keeps_an_overflowing_row_from_the_rows_before_it()
     assert rel_err(dbl[:, :t], sub[:, :t]) < TOL  # float32 rounding (TOL, as above) where both are finite
 
 
-def test_an_unknown_inverse_is_refused():
+def test_an_unknown_design_is_refused():
     from kda_edu.kernels.chunk import prepare_design
 
     with pytest.raises(ValueError, match="inverse must be one of"):
         with prepare_design(inverse="neumann"):
+            pass
+    with pytest.raises(ValueError, match="kc must be 16, 32 or 64"):
+        with prepare_design(kc=8):
             pass

@@ -69,5 +69,12 @@ def test_the_design_benchmark_runs_every_design_on_the_cpu(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(out.read_text())["rows"]
-    assert set(row["designs"]) == {"default", "doubling", "two_pass", "doubling two_pass"}
+    assert set(row["designs"]) == {
+        "default",
+        "doubling",
+        "two_pass",
+        "doubling two_pass",
+        "two_pass kc16",
+        "doubling two_pass kc16",
+    }
     assert all(d["rel diff from default"] < 1e-6 for d in row["designs"].values())

@@ -228,6 +228,16 @@ def diag_span(gc_a, BC: tl.constexpr):
 
 
 @jit
+def _pairwise_column(k_a, gc_a, j, rc):
+    """Key j of a 16-row block against every row's gates, for the exact pairwise form of a diagonal block:
+    e_ic = k_jc 2^min(gc_ic - gc_jc, 0) (row i's weight for column j is then sum_c x_ic e_ic)."""
+    pick = (rc == j)[:, None]
+    k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
+    gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
+    return tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+
+
+@jit
 def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
     """The 16 x 16 diagonal blocks of the two gated Gram matrices of one block of rows, together:
     Mk_ij = sum_c k_ic k_jc 2^(gc_ic - gc_jc) and Mq_ij = sum_c q_ic k_jc 2^(gc_ic - gc_jc) (entries j > i are
@@ -244,10 +254,7 @@ def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
         Mk = tl.zeros([BC, BC], dtype=tl.float32)
         Mq = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(BC):
-            pick = (rc == j)[:, None]
-            k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
-            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+            e = _pairwise_column(k_a, gc_a, j, rc)
             Mk = tl.where(rc[None, :] == j, tl.sum(k_a * e, axis=1)[:, None], Mk)
             Mq = tl.where(rc[None, :] == j, tl.sum(q_a * e, axis=1)[:, None], Mq)
     return Mk, Mq
@@ -278,10 +285,7 @@ def _diag_gram(x_a, k_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
         rc = tl.arange(0, BC)
         M = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(BC):
-            pick = (rc == j)[:, None]
-            k_j = tl.sum(tl.where(pick, k_a, 0.0), axis=0)
-            gc_j = tl.sum(tl.where(pick, gc_a, 0.0), axis=0)
-            e = tl.exp2(tl.minimum(gc_a - gc_j[None, :], 0.0)) * k_j[None, :]
+            e = _pairwise_column(k_a, gc_a, j, rc)
             M = tl.where(rc[None, :] == j, tl.sum(x_a * e, axis=1)[:, None], M)
     return M
 
@@ -382,6 +386,24 @@ def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
     return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3
 
 
+@jit
+def _pass1_keys(k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC: tl.constexpr):
+    """`_key_blocks` for pass 1: the blocks, the column factors of the blocks left of the diagonal,
+    c_a = k_a * 2^(s_a - l_a) (<= 1, the keys anchored at the end of their block, a = 0, 1, 2), and the rows'
+    flags `bad0..3` raised by this step's bad values."""
+    k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
+        k_h, g_h, cols, H, HV, K, n_t, BC
+    )
+    c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+    bad0, bad1, bad2, bad3 = (
+        tl.maximum(bad0, f0),
+        tl.maximum(bad1, f1),
+        tl.maximum(bad2, f2),
+        tl.maximum(bad3, f3),
+    )
+    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3
+
+
 @jit(do_not_specialize=["NT"])
 def _chunk_prepare_kernel(
     q,
@@ -453,10 +475,9 @@ def _chunk_prepare_kernel(
     if TWO_PASS:  # Aqk and qg first, then A: ten accumulators alive at a time instead of twenty
         for kc in range(0, BK, KC):
             cols = kc + tl.arange(0, KC)
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, _, _, _, _ = _key_blocks(
-                k_h, g_h, cols, H, HV, K, n_t, BC
-            )
-            c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, _, _, _, _ = _pass1_keys(
+                k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
+            )  # the keys' pass below raises the flags
             q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
             q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
             q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
@@ -473,12 +494,9 @@ def _chunk_prepare_kernel(
         _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
         for kc in range(0, BK, KC):
             cols = kc + tl.arange(0, KC)
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
-                k_h, g_h, cols, H, HV, K, n_t, BC
+            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3 = _pass1_keys(
+                k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
             )
-            bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
-            bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
-            c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
             y10, y20, y21, y30, y31, y32, y00, y11, y22, y33 = _rows_against_keys(
                 k0, k1, k2, k3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC, PREC
             )
@@ -487,12 +505,9 @@ def _chunk_prepare_kernel(
     else:
         for kc in range(0, BK, KC):
             cols = kc + tl.arange(0, KC)
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
-                k_h, g_h, cols, H, HV, K, n_t, BC
+            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3 = _pass1_keys(
+                k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
             )
-            bad0, bad1 = tl.maximum(bad0, f0), tl.maximum(bad1, f1)
-            bad2, bad3 = tl.maximum(bad2, f2), tl.maximum(bad3, f3)
-            c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
 
             q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
             q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale

@@ -33,7 +33,7 @@ import triton
 from triton.testing import do_bench
 
 from kda_edu.kernels import chunk_kda
-from kda_edu.kernels.chunk import chunk_kda_fwd, prepare_design
+from kda_edu.kernels.chunk import chunk_kda_fwd
 from kda_edu.ops.kda import kda_chunked
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
@@ -72,19 +72,6 @@ def make_inputs(B, T, H, seed=0):
 
 def _ours(x):
     return lambda: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)
-
-
-def _ours_designed(**design):
-    """Ours with the prepare kernel built another way (issue 20's A/B, bench/NOTES.md session 13)."""
-
-    def method(x):
-        def run():
-            with prepare_design(**design):
-                return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)
-
-        return run
-
-    return method
 
 
 def _fla_kda(x):
@@ -126,9 +113,6 @@ def _torch_chunked(x):
 
 METHODS = {
     "kda_edu chunk_kda": _ours,
-    "kda_edu chunk_kda doubling": _ours_designed(inverse="doubling"),
-    "kda_edu chunk_kda two_pass": _ours_designed(two_pass=True),
-    "kda_edu chunk_kda doubling two_pass": _ours_designed(inverse="doubling", two_pass=True),
     "fla chunk_kda": _fla_kda,
     "fla chunk_gated_delta_rule": _fla_gdn,
     "torch sdpa flash causal": _sdpa,

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kda_edu.kernels import chunk_kda
-from kda_edu.kernels.chunk import prepare_design
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 D = 128
@@ -59,17 +58,6 @@ def _fla(x):
     return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
 
 
-def _designed(**design):
-    """Ours with the prepare kernel built another way; `step` and `memory_gib` run its forward and backward
-    under `prepare_design(**fn.design)`."""
-
-    def fn(x):
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[0]
-
-    fn.design = design
-    return fn
-
-
 METHODS = {
     "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[
         0
@@ -80,14 +68,10 @@ METHODS = {
     )[0],
     "fla chunk_kda": _fla,
 }
-if os.environ.get("BENCH_DESIGNS"):  # issue 20's A/B (bench/NOTES.md, session 13): the prepare designs too
-    METHODS["kda_edu chunk_kda doubling"] = _designed(inverse="doubling")
-    METHODS["kda_edu chunk_kda two_pass"] = _designed(two_pass=True)
 
 
 def step(fn, x, do):
-    with prepare_design(**getattr(fn, "design", {})):
-        fn(x).backward(do)
+    fn(x).backward(do)
 
 
 def memory_gib(fn, x, do):
@@ -97,12 +81,11 @@ def memory_gib(fn, x, do):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    with prepare_design(**getattr(fn, "design", {})):
-        o = fn(x)
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward
-        o.backward(do)
-        del o
+    o = fn(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base  # o and whatever autograd keeps for the backward
+    o.backward(do)
+    del o
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30, held / 2**30
 

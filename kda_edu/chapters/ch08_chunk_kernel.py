@@ -399,7 +399,8 @@ _BF16_MID = dict(w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="
 
 def _compile_specs(K: int = 128, V: int = 128) -> dict:
     """The two kernels of `chunk_kda_fwd` as it launches them for bfloat16 inputs with K = V = 128 (4 warps,
-    32 key columns per step, a scan of 32 value columns with two pipeline stages; no state, no cu_seqlens)."""
+    the prepare kernel built as `DESIGN` says (32 key columns per step by default), a scan of 32 value columns
+    with two pipeline stages; no state, no cu_seqlens)."""
     ints = dict.fromkeys(["T", "H", "HV", "K", "V", "NT", "NCH"], "i32")
     prepare = dict(
         signature={**_BF16_IN, **_BF16_MID, "x_inv": "*fp32", "chunks": "*i32", **ints, "scale": "fp32"},
@@ -408,8 +409,8 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
             BC=SUB,
             BK=K,
             BV=V,
-            KC=32,
-            VC=32,
+            KC=DESIGN["kc"] or 32,
+            VC=DESIGN["kc"] or 32,
             PREC="tf32",
             IS_VARLEN=False,
             STORE_X=False,

@@ -92,17 +92,35 @@ DIAG_LIMIT = tl.constexpr(96.0)
 # "kc=16", comma-separated) sets them for a process, `prepare_design(...)` within a block (the benchmarks' A/B).
 INVERSES = ("substitution", "doubling")
 DESIGN = {"inverse": "substitution", "two_pass": False, "kc": None}
-for _flag in filter(None, os.environ.get("KDA_EDU_PREPARE", "").split(",")):
-    if _flag == "doubling":
-        DESIGN["inverse"] = "doubling"
-    elif _flag == "two_pass":
-        DESIGN["two_pass"] = True
-    elif _flag.startswith("kc=") and _flag[3:] in ("16", "32", "64"):
-        DESIGN["kc"] = int(_flag[3:])
-    else:
-        raise ValueError(
-            f"KDA_EDU_PREPARE: unknown design {_flag!r} (expected doubling, two_pass, kc=16|32|64)"
-        )
+
+
+def design_changes(inverse: str | None = None, two_pass: bool | None = None, kc: int | None = None) -> dict:
+    """The `DESIGN` entries to change (the arguments that are not None), checked."""
+    if inverse is not None and inverse not in INVERSES:
+        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+    if kc is not None and kc not in (16, 32, 64):
+        raise ValueError(f"kc must be 16, 32 or 64, got {kc!r}")
+    return {k: v for k, v in (("inverse", inverse), ("two_pass", two_pass), ("kc", kc)) if v is not None}
+
+
+def _design_from_environment(text: str) -> dict:
+    """KDA_EDU_PREPARE's comma-separated flags ("doubling", "two_pass", "kc=16") as `design_changes`' keywords."""
+    changes = {}
+    for flag in filter(None, text.split(",")):
+        if flag == "doubling":
+            changes["inverse"] = "doubling"
+        elif flag == "two_pass":
+            changes["two_pass"] = True
+        elif flag.startswith("kc=") and flag[3:].isdigit():
+            changes["kc"] = int(flag[3:])
+        else:
+            raise ValueError(
+                f"KDA_EDU_PREPARE: unknown design {flag!r} (expected doubling, two_pass, kc=16|32|64)"
+            )
+    return changes
+
+
+DESIGN.update(design_changes(**_design_from_environment(os.environ.get("KDA_EDU_PREPARE", ""))))
 # Gates are raised to this as they are loaded (kda_edu.ops._checks.GATE_FLOOR: exp of it is 0 in float32), so a
 # reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
 KERNEL_GATE_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
@@ -898,14 +916,9 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
 def prepare_design(inverse: str | None = None, two_pass: bool | None = None, kc: int | None = None):
     """Within the block, the prepare kernel (the forward's and the backward's recomputation) is built with
     these `DESIGN` entries (None keeps the current one): the benchmarks time the designs in one process."""
-    if inverse is not None and inverse not in INVERSES:
-        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
-    if kc is not None and kc not in (16, 32, 64):
-        raise ValueError(f"kc must be 16, 32 or 64, got {kc!r}")
+    changes = design_changes(inverse, two_pass, kc)
     before = dict(DESIGN)
-    DESIGN.update(
-        {k: v for k, v in (("inverse", inverse), ("two_pass", two_pass), ("kc", kc)) if v is not None}
-    )
+    DESIGN.update(changes)
     try:
         yield
     finally:

@@ -3,7 +3,8 @@
 # Each run of LONG_RUNS ("name:options", defaults below) trains in segments with long_recall_run.py; its
 # checkpoint and JSON live in .ckpt/ (git-ignored: carry it to the next call, which continues every unfinished
 # run). PROBE=1 also runs nondeterminism_probe.py (KDA, MQAR 256, with and without deterministic algorithms).
-# Everything ends in $OUT/long.tgz (the whole .ckpt/ folder, logs included): unpack it over .ckpt/ here.
+# The JSON and logs of .ckpt/ end in $OUT/long.tgz; the checkpoints stay on the machine (too large to come
+# back from $OUT: session 13 lost a 32 MB tarball), so a later call continues them only while it stays warm.
 mkdir -p .ckpt
 E=bench/experiments
 MQ=(--task mqar --lr 1e-3)
@@ -28,4 +29,4 @@ for r in "${RUNS[@]}"; do
     --deadline-minutes "${DEADLINE_MIN:-8}" --out ".ckpt/$name.json" >> ".ckpt/$name.log" 2>&1 &
 done
 wait
-tar -czf "$OUT/long.tgz" .ckpt
+tar -czf "$OUT/long.tgz" --exclude='*.safetensors' --exclude='*.pt' .ckpt

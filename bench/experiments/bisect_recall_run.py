@@ -13,6 +13,18 @@ before the layout move (d4c978c) keep the sweep in `kda_edu/recall_sweep.py`, la
 `kda_edu/chapters/ch12_recall_sweep.py`; both are tried. The script refuses to run if `kda_edu` would not be
 imported from the build folder. `--cpu-smoke` trains 3 steps of the build's "quick" preset on the CPU with the
 PyTorch backend, to check an export imports and runs before a GPU call.
+
+`--watch` looks for the run's first non-finite value with global hooks, so that it works with any build's own
+training loop (issue 22: DeltaNet MQAR 1024 at 3e-3 had a NaN held-out loss on an early build, and the current
+`first_nonfinite.py` uses the current loop). It switches the CUDA graph off (hooks run only while a graph is
+captured, and their checks read values back to the host) and trains `--watch-steps` steps. It records the
+first event of each kind, with the optimiser step it happened at:
+
+- "forward": the first module whose output holds a non-finite value (in the order modules finish), whether
+  its inputs were finite, and whether it ran in training or in evaluation;
+- "backward": the first module whose input gradient is non-finite while its output gradient is finite;
+- "gradient": the first step whose parameter gradients, as the optimiser receives them, are not finite;
+- "parameter": the first step after which a parameter is not finite.
 """
 
 import argparse
@@ -21,6 +33,9 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.optim.optimizer as optimizer_hooks
 
 
 def load_build(build: Path):
@@ -50,6 +65,106 @@ def load_build(build: Path):
     return module, commit
 
 
+def finite(x) -> bool:
+    return not isinstance(x, torch.Tensor) or not x.is_floating_point() or bool(torch.isfinite(x).all())
+
+
+def watch_nonfinite(events: dict, capture: Path | None = None) -> list:
+    """Install global module and optimiser hooks that fill `events` (kind -> first record); see the doc.
+    With `capture`, the first module whose inputs are finite and whose output is not ("source") is saved there
+    (torch.save): its parameters and the first batch row of its inputs whose output went non-finite, to
+    replay offline. Returns the hooks' handles (`.remove()` each to take them off)."""
+    names: dict[int, str] = {}
+    params: dict[int, str] = {}
+    step = {"n": 0}
+
+    def name_of(module) -> str:
+        return names.get(id(module), type(module).__name__)
+
+    def pre(module, args):
+        if id(module) not in names:  # the first module to start is the model: name everything below it
+            names.update({id(m): n or "(model)" for n, m in module.named_modules()})
+            params.update({id(p): n for n, p in module.named_parameters()})
+
+    def forward(module, args, output):
+        if "source" in events:
+            return
+        outs = output if isinstance(output, tuple) else (output,)
+        if all(finite(o) for o in outs):
+            return
+        inputs_finite = all(finite(a) for a in args)
+        record = {
+            "step": step["n"],
+            "module": name_of(module),
+            "class": type(module).__name__,
+            "inputs finite": inputs_finite,
+            "training": module.training,
+        }
+        events.setdefault("forward", record)
+        if inputs_finite:
+            events["source"] = record
+            if capture is not None:
+                out = outs[0]
+                rows = (~torch.isfinite(out)).flatten(1).any(1).nonzero().flatten().tolist()
+                record["bad batch rows"] = len(rows)
+                b = rows[0]
+                torch.save(
+                    {
+                        "record": record,
+                        "args": [
+                            a[b : b + 1].detach().cpu() if isinstance(a, torch.Tensor) else a for a in args
+                        ],
+                        "state": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+                        "output": out[b : b + 1].detach().cpu(),
+                    },
+                    capture,
+                )
+
+    def backward(module, grad_input, grad_output):
+        if "backward" in events:
+            return
+        if all(finite(g) for g in grad_output if g is not None) and not all(
+            finite(g) for g in grad_input if g is not None
+        ):
+            events["backward"] = {
+                "step": step["n"],
+                "module": name_of(module),
+                "class": type(module).__name__,
+            }
+
+    def before_step(optimizer, args, kwargs):
+        if "gradient" in events:
+            return
+        bad = [
+            params.get(id(p), str(tuple(p.shape)))
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and not finite(p.grad)
+        ]
+        if bad:
+            events["gradient"] = {"step": step["n"], "parameters": bad[:20], "count": len(bad)}
+
+    def after_step(optimizer, args, kwargs):
+        if "parameter" not in events:
+            bad = [
+                params.get(id(p), str(tuple(p.shape)))
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if not finite(p)
+            ]
+            if bad:
+                events["parameter"] = {"step": step["n"], "parameters": bad[:20], "count": len(bad)}
+        step["n"] += 1
+
+    return [
+        torch.nn.modules.module.register_module_forward_pre_hook(pre),
+        torch.nn.modules.module.register_module_forward_hook(forward),
+        torch.nn.modules.module.register_module_full_backward_hook(backward),
+        optimizer_hooks.register_optimizer_step_pre_hook(before_step),
+        optimizer_hooks.register_optimizer_step_post_hook(after_step),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", type=Path, required=True, help="a folder holding an exported kda_edu")
@@ -59,6 +174,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-smoke", action="store_true", help="3 steps of the 'quick' preset on the CPU")
+    ap.add_argument("--watch", action="store_true", help="find the first non-finite value (no CUDA graph)")
+    ap.add_argument("--watch-steps", type=int, default=400, help="steps to train with --watch")
+    ap.add_argument(
+        "--capture", type=Path, default=None, help="with --watch: save the source module's inputs"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -75,6 +195,13 @@ def main() -> None:
         device = "cpu"
     else:
         preset, device = sweep.PRESETS["gpu"], "cuda"
+    events: dict = {}
+    if args.watch:
+        train = {**preset["train"], "cuda_graph": False}
+        train["steps"] = min(train["steps"], args.watch_steps)
+        train["eval_every"] = min(train["eval_every"], train["steps"])
+        preset = {**preset, "train": train}
+        watch_nonfinite(events, args.capture)
     start = time.perf_counter()
     record = sweep.run_one(preset, spec, device)
     out = {
@@ -86,9 +213,13 @@ def main() -> None:
         "seconds": round(time.perf_counter() - start, 1),
         "run": record,
     }
+    if args.watch:
+        out["watch"] = {"steps": preset["train"]["steps"], "cuda_graph": False, "first non-finite": events}
     Path(args.out).write_text(json.dumps(out, indent=1))
     losses = [round(h["eval_loss"], 3) for h in record["history"]]
     print(f"{commit}: final acc {record['final_acc']:.3f}, best {record['best_acc']:.3f}, eval loss {losses}")
+    if args.watch:
+        print("first non-finite:", json.dumps(events))
 
 
 if __name__ == "__main__":

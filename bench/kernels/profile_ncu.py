@@ -85,6 +85,21 @@ def summarize(text: str) -> list[dict]:
     return launches
 
 
+def make_inputs(B, T, H, D, device, dtype):
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    return dict(
+        q=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1).to(dtype),
+        k=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1).to(dtype),
+        v=randn(B, T, H, D).to(dtype),
+        g=-5.0 * torch.sigmoid(randn(B, T, H, D) - 2.0),  # the bound of KDA's gate, as bench_kda.py
+        beta=torch.sigmoid(randn(B, T, H)).to(dtype),
+    )
+
+
 def methods(x: dict, backward: bool) -> dict:
     """name -> a callable running one forward (or forward + backward) on the inputs `x`."""
     from kda_edu.kernels import chunk_kda
@@ -143,9 +158,6 @@ def main() -> None:
     B, T, H = (1, 130, 2) if args.smoke else args.shape
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_prepare_designs import make_inputs  # the inputs every script of this folder times
-
     x = make_inputs(B, T, H, 32 if args.smoke else args.head_dim, device, dtype)
     fns = methods(x, args.backward)
     for fn in fns.values():  # autotuning and compilation, outside the profiled range

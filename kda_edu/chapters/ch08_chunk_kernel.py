@@ -35,16 +35,7 @@ import triton.language as tl
 
 from kda_edu.chapters.ch08_chunk_v0 import v0_forward
 from kda_edu.kernels._backend import jit
-from kda_edu.kernels.chunk import (
-    CHUNK,
-    DESIGN,
-    KERNELS,
-    SUB,
-    chunk_kda_fwd,
-    chunk_layout,
-    pow2,
-    prepare_chunks,
-)
+from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_kda_fwd, chunk_layout, pow2, prepare_chunks
 from kda_edu.ops._chunks import chunk_inputs
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
 
@@ -399,23 +390,12 @@ _BF16_MID = dict(w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="
 
 def _compile_specs(K: int = 128, V: int = 128) -> dict:
     """The two kernels of `chunk_kda_fwd` as it launches them for bfloat16 inputs with K = V = 128 (4 warps,
-    the prepare kernel built as `DESIGN` says (32 key columns per step by default), a scan of 32 value columns
-    with two pipeline stages; no state, no cu_seqlens)."""
+    32 key columns per step, a scan of 32 value columns with two pipeline stages; no state, no cu_seqlens)."""
     ints = dict.fromkeys(["T", "H", "HV", "K", "V", "NT", "NCH"], "i32")
     prepare = dict(
         signature={**_BF16_IN, **_BF16_MID, "x_inv": "*fp32", "chunks": "*i32", **ints, "scale": "fp32"},
         constexprs=dict(
-            BT=CHUNK,
-            BC=SUB,
-            BK=K,
-            BV=V,
-            KC=DESIGN["kc"] or 32,
-            VC=DESIGN["kc"] or 32,
-            PREC="tf32",
-            IS_VARLEN=False,
-            STORE_X=False,
-            DOUBLING=DESIGN["inverse"] == "doubling",
-            TWO_PASS=DESIGN["two_pass"],
+            BT=CHUNK, BC=SUB, BK=K, BV=V, KC=32, VC=32, PREC="tf32", IS_VARLEN=False, STORE_X=False
         ),
         options=dict(num_warps=4),
     )

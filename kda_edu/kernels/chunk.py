@@ -65,9 +65,6 @@ from the first such row on to NaN; the state update kd^T U reads the NaN rows, s
 is NaN, as in the loop. The outputs before t are exact.
 """
 
-import contextlib
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -82,45 +79,6 @@ SUB = 16  # rows per sub-chunk: the smallest block tl.dot accepts on a GPU
 # Above this many powers of two, a half sub-chunk's gate sum is too large for the anchored split of the
 # diagonal block (both factors must stay normal float32 numbers, 2^-126 .. 2^127, with room for |k| < 1).
 DIAG_LIMIT = tl.constexpr(96.0)
-# How the prepare kernel is built: issue 20's designs under test (bench/NOTES.md, session 13), timed against
-# the default before either becomes it. `inverse`: the diagonal 16 x 16 blocks of I + L inverted by
-# "substitution" (`_unit_lower_inverse`, the default) or "doubling" (`_doubling_inverse`: as accurate, fewer
-# dependent steps). `two_pass`: Aqk and qg in a pass of their own before A, so that only half of pass 1's
-# twenty accumulators are alive at once (the kernel spills at 255 registers), at the price of loading the
-# keys' blocks twice. `kc`: key (and value) columns per step of the passes when the launcher is not given
-# them (None: 32; with two_pass, 16 leaves no spill offline). KDA_EDU_PREPARE ("doubling", "two_pass",
-# "kc=16", comma-separated) sets them for a process, `prepare_design(...)` within a block (the benchmarks' A/B).
-INVERSES = ("substitution", "doubling")
-DESIGN = {"inverse": "substitution", "two_pass": False, "kc": None}
-
-
-def design_changes(inverse: str | None = None, two_pass: bool | None = None, kc: int | None = None) -> dict:
-    """The `DESIGN` entries to change (the arguments that are not None), checked."""
-    if inverse is not None and inverse not in INVERSES:
-        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
-    if kc is not None and kc not in (16, 32, 64):
-        raise ValueError(f"kc must be 16, 32 or 64, got {kc!r}")
-    return {k: v for k, v in (("inverse", inverse), ("two_pass", two_pass), ("kc", kc)) if v is not None}
-
-
-def _design_from_environment(text: str) -> dict:
-    """KDA_EDU_PREPARE's comma-separated flags ("doubling", "two_pass", "kc=16") as `design_changes`' keywords."""
-    changes = {}
-    for flag in filter(None, text.split(",")):
-        if flag == "doubling":
-            changes["inverse"] = "doubling"
-        elif flag == "two_pass":
-            changes["two_pass"] = True
-        elif flag.startswith("kc=") and flag[3:].isdigit():
-            changes["kc"] = int(flag[3:])
-        else:
-            raise ValueError(
-                f"KDA_EDU_PREPARE: unknown design {flag!r} (expected doubling, two_pass, kc=16|32|64)"
-            )
-    return changes
-
-
-DESIGN.update(design_changes(**_design_from_environment(os.environ.get("KDA_EDU_PREPARE", ""))))
 # Gates are raised to this as they are loaded (kda_edu.ops._checks.GATE_FLOOR: exp of it is 0 in float32), so a
 # reset of -1000 or -inf decays exactly as before while every gate sum stays finite.
 KERNEL_GATE_FLOOR = tl.constexpr(GATE_FLOOR[torch.float32])
@@ -181,44 +139,6 @@ def _unit_lower_inverse(L0, L1, L2, L3, BC: tl.constexpr):
         X2 = _substitute_row(L2, X2, i, r)
         X3 = _substitute_row(L3, X3, i, r)
     return X0, X1, X2, X3
-
-
-@jit
-def _substitution_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 of one strictly lower-triangular 16 x 16 block by forward substitution (`_unit_lower_inverse`'s
-    chain for a single block)."""
-    r = tl.arange(0, BC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BC):
-        X = _substitute_row(L, X, i, r)
-    return X
-
-
-@jit
-def _doubling_inverse(L, BC: tl.constexpr):
-    """(I + L)^-1 of a strictly lower-triangular 16 x 16 block by recursive doubling: with X the inverses of
-    the diagonal blocks of size b (block diagonal), those of size 2b are X - X M X, M the lower-left b x b
-    blocks of L inside each 2b block. Three levels (2 -> 4 -> 8 -> 16) of two exact float32 products each,
-    instead of the substitution's fifteen dependent rows of cross-thread sums. Every intermediate is an entry
-    of the inverse itself (no powers of L, unlike the product form (I - L)(I + L^2)(I + L^4)(I + L^8)), so
-    its rounding is the substitution's: on nearly parallel keys 1.5e-7 relative in float32, against 2.3e-7
-    for the substitution and 3.0e-4 for the product form (bench/NOTES.md, session 13).
-
-    A product reads every row, so a non-finite entry anywhere would reach the earlier rows (0 * inf is NaN):
-    a block whose result is not finite is computed again by substitution (`_substitution_inverse`), which
-    keeps a bad row from reaching the rows before it."""
-    r = tl.arange(0, BC)
-    ri, rj = r[:, None], r[None, :]
-    X = tl.where(ri == rj, 1.0, 0.0) - tl.where(ri // 2 == rj // 2, L, 0.0)  # the 2 x 2 blocks: I - L
-    M = tl.where((ri // 2 != rj // 2) & (ri // 4 == rj // 4), L, 0.0)
-    X = X - tl.dot(tl.dot(X, M, input_precision="ieee"), X, input_precision="ieee")
-    M = tl.where((ri // 4 != rj // 4) & (ri // 8 == rj // 8), L, 0.0)
-    X = X - tl.dot(tl.dot(X, M, input_precision="ieee"), X, input_precision="ieee")
-    M = tl.where(ri // 8 != rj // 8, L, 0.0)
-    X = X - tl.dot(tl.dot(X, M, input_precision="ieee"), X, input_precision="ieee")
-    if tl.sum(tl.where(tl.abs(X) < float("inf"), 0.0, 1.0)) > 0:  # NaN compares false: counted too
-        X = _substitution_inverse(L, BC)
-    return X
 
 
 @jit
@@ -285,47 +205,6 @@ def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
     return (
         tl.dot(k_a * row_f, tl.trans(col), input_precision=PREC),
         tl.dot(q_a * row_f, tl.trans(col), input_precision=PREC),
-    )
-
-
-@jit
-def _diag_gram(x_a, k_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
-    """`_diag_grams` for one kind of rows: M_ij = sum_c x_ic k_jc 2^(gc_ic - gc_jc), x the keys or the queries
-    of the block (the two-pass design computes them in different passes)."""
-    mid, span = diag_span(gc_a, BC)
-    if span <= DIAG_LIMIT:
-        M = tl.dot(
-            x_a * tl.exp2(gc_a - mid[None, :]),
-            tl.trans(k_a * tl.exp2(mid[None, :] - gc_a)),
-            input_precision=PREC,
-        )
-    else:  # exact pairwise form, as in `_diag_grams`
-        rc = tl.arange(0, BC)
-        M = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(BC):
-            e = _pairwise_column(k_a, gc_a, j, rc)
-            M = tl.where(rc[None, :] == j, tl.sum(x_a * e, axis=1)[:, None], M)
-    return M
-
-
-@jit
-def _rows_against_keys(
-    x0, x1, x2, x3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC: tl.constexpr, PREC: tl.constexpr
-):
-    """The ten blocks on and below the diagonal of one gated Gram matrix over KC key columns: rows x (the
-    keys for A, the queries for Aqk) against the keys, anchored as pass 1 anchors them (`_pair`, `_diag_grams`).
-    Returns (x10, x20, x21, x30, x31, x32, x00, x11, x22, x33)."""
-    return (
-        tl.dot(x1 * tl.exp2(l1), tl.trans(c0), input_precision=PREC),
-        tl.dot(x2 * tl.exp2(l2 + s1), tl.trans(c0), input_precision=PREC),
-        tl.dot(x2 * tl.exp2(l2), tl.trans(c1), input_precision=PREC),
-        tl.dot(x3 * tl.exp2(l3 + s1 + s2), tl.trans(c0), input_precision=PREC),
-        tl.dot(x3 * tl.exp2(l3 + s2), tl.trans(c1), input_precision=PREC),
-        tl.dot(x3 * tl.exp2(l3), tl.trans(c2), input_precision=PREC),
-        _diag_gram(x0, k0, l0, BC, PREC),
-        _diag_gram(x1, k1, l1, BC, PREC),
-        _diag_gram(x2, k2, l2, BC, PREC),
-        _diag_gram(x3, k3, l3, BC, PREC),
     )
 
 
@@ -454,8 +333,6 @@ def _chunk_prepare_kernel(
     PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     STORE_X: tl.constexpr = False,
-    DOUBLING: tl.constexpr = False,
-    TWO_PASS: tl.constexpr = False,
 ):
     """One program per (chunk, value head): everything of the chunk that does not depend on the state.
 
@@ -490,73 +367,42 @@ def _chunk_prepare_kernel(
     # are set to NaN, and the scan kernel spoils the outputs from the first such row on (and the state).
     bad0 = tl.zeros([BC], dtype=tl.float32)
     bad1, bad2, bad3 = bad0, bad0, bad0
-    if TWO_PASS:  # Aqk and qg first, then A: ten accumulators alive at a time instead of twenty
-        for kc in range(0, BK, KC):
-            cols = kc + tl.arange(0, KC)
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, _, _, _, _ = _pass1_keys(
-                k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
-            )  # the keys' pass below raises the flags
-            q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
-            q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
-            q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
-            q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
-            y10, y20, y21, y30, y31, y32, y00, y11, y22, y33 = _rows_against_keys(
-                q0, q1, q2, q3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC, PREC
-            )
-            q10, q20, q21, q30, q31, q32 = q10 + y10, q20 + y20, q21 + y21, q30 + y30, q31 + y31, q32 + y32
-            q00, q11, q22, q33 = q00 + y00, q11 + y11, q22 + y22, q33 + y33
-            _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
-            _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
-            _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
-            _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
-        _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
-        for kc in range(0, BK, KC):
-            cols = kc + tl.arange(0, KC)
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3 = _pass1_keys(
-                k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
-            )
-            y10, y20, y21, y30, y31, y32, y00, y11, y22, y33 = _rows_against_keys(
-                k0, k1, k2, k3, k0, k1, k2, k3, l0, l1, l2, l3, s1, s2, c0, c1, c2, BC, PREC
-            )
-            a10, a20, a21, a30, a31, a32 = a10 + y10, a20 + y20, a21 + y21, a30 + y30, a31 + y31, a32 + y32
-            a00, a11, a22, a33 = a00 + y00, a11 + y11, a22 + y22, a33 + y33
-    else:
-        for kc in range(0, BK, KC):
-            cols = kc + tl.arange(0, KC)
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3 = _pass1_keys(
-                k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
-            )
+    for kc in range(0, BK, KC):
+        cols = kc + tl.arange(0, KC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3 = _pass1_keys(
+            k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
+        )
 
-            q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
-            q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
-            x, y = _pair(k1, q1, l1, c0, PREC)
-            a10, q10 = a10 + x, q10 + y
-            q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
-            x, y = _pair(k2, q2, l2 + s1, c0, PREC)
-            a20, q20 = a20 + x, q20 + y
-            x, y = _pair(k2, q2, l2, c1, PREC)
-            a21, q21 = a21 + x, q21 + y
-            q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
-            x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
-            a30, q30 = a30 + x, q30 + y
-            x, y = _pair(k3, q3, l3 + s2, c1, PREC)
-            a31, q31 = a31 + x, q31 + y
-            x, y = _pair(k3, q3, l3, c2, PREC)
-            a32, q32 = a32 + x, q32 + y
-            x, y = _diag_grams(k0, q0, l0, BC, PREC)
-            a00, q00 = a00 + x, q00 + y
-            x, y = _diag_grams(k1, q1, l1, BC, PREC)
-            a11, q11 = a11 + x, q11 + y
-            x, y = _diag_grams(k2, q2, l2, BC, PREC)
-            a22, q22 = a22 + x, q22 + y
-            x, y = _diag_grams(k3, q3, l3, BC, PREC)
-            a33, q33 = a33 + x, q33 + y
-            # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
-            _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
-            _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
-            _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
-            _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
-        _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
+        q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
+        q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k1, q1, l1, c0, PREC)
+        a10, q10 = a10 + x, q10 + y
+        q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k2, q2, l2 + s1, c0, PREC)
+        a20, q20 = a20 + x, q20 + y
+        x, y = _pair(k2, q2, l2, c1, PREC)
+        a21, q21 = a21 + x, q21 + y
+        q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
+        a30, q30 = a30 + x, q30 + y
+        x, y = _pair(k3, q3, l3 + s2, c1, PREC)
+        a31, q31 = a31 + x, q31 + y
+        x, y = _pair(k3, q3, l3, c2, PREC)
+        a32, q32 = a32 + x, q32 + y
+        x, y = _diag_grams(k0, q0, l0, BC, PREC)
+        a00, q00 = a00 + x, q00 + y
+        x, y = _diag_grams(k1, q1, l1, BC, PREC)
+        a11, q11 = a11 + x, q11 + y
+        x, y = _diag_grams(k2, q2, l2, BC, PREC)
+        a22, q22 = a22 + x, q22 + y
+        x, y = _diag_grams(k3, q3, l3, BC, PREC)
+        a33, q33 = a33 + x, q33 + y
+        # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
+        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
+    _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
 
     # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
     b0, f0 = _clean(tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None])
@@ -570,19 +416,13 @@ def _chunk_prepare_kernel(
         tl.maximum(bad3, f3),
     )
     strict = rc[:, None] > rc[None, :]
-    if DOUBLING:  # DESIGN["inverse"] (bench/NOTES.md, session 13: to be timed against substitution)
-        x0 = _doubling_inverse(tl.where(strict, b0 * a00, 0.0), BC)
-        x1 = _doubling_inverse(tl.where(strict, b1 * a11, 0.0), BC)
-        x2 = _doubling_inverse(tl.where(strict, b2 * a22, 0.0), BC)
-        x3 = _doubling_inverse(tl.where(strict, b3 * a33, 0.0), BC)
-    else:
-        x0, x1, x2, x3 = _unit_lower_inverse(
-            tl.where(strict, b0 * a00, 0.0),
-            tl.where(strict, b1 * a11, 0.0),
-            tl.where(strict, b2 * a22, 0.0),
-            tl.where(strict, b3 * a33, 0.0),
-            BC,
-        )
+    x0, x1, x2, x3 = _unit_lower_inverse(
+        tl.where(strict, b0 * a00, 0.0),
+        tl.where(strict, b1 * a11, 0.0),
+        tl.where(strict, b2 * a22, 0.0),
+        tl.where(strict, b3 * a33, 0.0),
+        BC,
+    )
     a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
 
     # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
@@ -881,8 +721,7 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
     Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
     x (X = (I + L)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
-    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program; the
-    kernel is built as `DESIGN` says.
+    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -902,27 +741,14 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
     )
     if NCH == 0:
         return buffers, None
-    kc = min(kc or DESIGN["kc"] or 32, BK)
+    kc = min(kc or 32, BK)
     w, u, qg, kd, aqk, gl, x = buffers.values()
     kernel = _chunk_prepare_kernel[(NCH, HV)](
         q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
         BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=chunks is not None,
-        STORE_X=store_x, DOUBLING=DESIGN["inverse"] == "doubling", TWO_PASS=DESIGN["two_pass"], num_warps=warps,
+        STORE_X=store_x, num_warps=warps,
     )  # fmt: skip
     return buffers, kernel
-
-
-@contextlib.contextmanager
-def prepare_design(inverse: str | None = None, two_pass: bool | None = None, kc: int | None = None):
-    """Within the block, the prepare kernel (the forward's and the backward's recomputation) is built with
-    these `DESIGN` entries (None keeps the current one): the benchmarks time the designs in one process."""
-    changes = design_changes(inverse, two_pass, kc)
-    before = dict(DESIGN)
-    DESIGN.update(changes)
-    try:
-        yield
-    finally:
-        DESIGN.update(before)
 
 
 # The two kernels by stage, for tools that launch one of them alone (chapter 8's `scan`). The functions keep

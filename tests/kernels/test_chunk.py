@@ -156,51 +156,15 @@ def test_no_kernel_specialises_the_chunk_count():
     assert len(checked) >= 4, checked  # the forward's prepare and scan, the backward's state passes
 
 
-@pytest.mark.parametrize("inverse", ["substitution", "doubling"])
-def test_both_inverses_of_the_diagonal_blocks_are_accurate_on_nearly_parallel_keys(inverse):
-    """The prepare kernel's two inverses of the diagonal blocks (kda_edu.kernels.chunk.INVERSES) on the case that
-    separated the product form from substitution: keys within a few degrees of one direction, beta = 1, weak
-    gates, so I + L is badly conditioned. Both stay at float32 rounding against the float64 loop (the product
-    form reached 3e-4 on such keys, bench/NOTES.md)."""
-    from kda_edu.kernels.chunk import prepare_design
-
+def test_the_inverse_of_the_diagonal_blocks_is_accurate_on_nearly_parallel_keys():
+    """The prepare kernel's inverse of the diagonal blocks (forward substitution) on the case that separated the
+    product form from substitution: keys within a few degrees of one direction, beta = 1, weak gates, so I + L is
+    badly conditioned. It stays at float32 rounding against the float64 loop (the product form reached 3e-4 on
+    such keys, bench/NOTES.md)."""
     q, _, v, g, beta, h0 = make_inputs(1, 100, 1, 1, 32, 16, gate=-0.1)
     gen = torch.Generator().manual_seed(1)
     k = F.normalize(torch.randn(32, generator=gen) + 0.05 * torch.randn(1, 100, 1, 32, generator=gen), dim=-1)
     k, beta = k.to(DEVICE), torch.ones_like(beta)
-    with prepare_design(inverse=inverse):
-        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
-
-
-def test_the_doubling_inverse_keeps_an_overflowing_row_from_the_rows_before_it():
-    """A finite key so large (1e25) that the inverse's entries overflow float32 after its step: the doubling
-    inverse's products would carry the inf into every row of its block (0 * inf is NaN), so such a block is
-    inverted by substitution instead. Both inverses then give the same outputs: finite and equal to float32
-    rounding before that step, and non-finite in the same places after it (float32 cannot hold them; the
-    float64 loop can, so this is the kernels' range, not a claim about the true outputs)."""
-    from kda_edu.kernels.chunk import prepare_design
-
-    q, k, v, g, beta, _ = make_inputs(1, 64, 1, 1, 16, 16)
-    t = 37
-    k[0, t, 0] *= 1e25
-    outs = {}
-    for inverse in ("substitution", "doubling"):
-        with prepare_design(inverse=inverse):
-            outs[inverse] = chunk_kda(q, k, v, g, beta)[0]
-    sub, dbl = outs["substitution"], outs["doubling"]
-    assert torch.isfinite(sub[:, :t]).all() and not torch.isfinite(sub).all()  # the case overflows after t
-    assert torch.equal(torch.isfinite(dbl), torch.isfinite(sub))
-    assert rel_err(dbl[:, :t], sub[:, :t]) < TOL  # float32 rounding (TOL, as above) where both are finite
-
-
-def test_an_unknown_design_is_refused():
-    from kda_edu.kernels.chunk import prepare_design
-
-    with pytest.raises(ValueError, match="inverse must be one of"):
-        with prepare_design(inverse="neumann"):
-            pass
-    with pytest.raises(ValueError, match="kc must be 16, 32 or 64"):
-        with prepare_design(kc=8):
-            pass

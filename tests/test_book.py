@@ -165,6 +165,28 @@ def test_readme_kernel_timings_are_the_committed_ones():
         assert name in passage, name
 
 
+def test_readme_same_run_timings_are_the_committed_ones():
+    """The README's latest same-run comparison with fla: its numbers, in order, are the default design's and
+    fla's times in h200_prepare_designs.json printed to two decimals, with the ratios recomputed."""
+    passage = readme_passage("The latest run timed both in one call", "were dropped")
+    row = bench_result("h200_prepare_designs.json")["rows"][0]
+    assert (row["B"], row["T"], row["H"]) == (1, 8192, 32)  # "at the same shape" as the passage before
+    ours = row["designs"]["default"]
+    expected = [
+        f"{v:.2f}"
+        for v in (
+            ours["fwd ms"],
+            row["fla fwd ms"],
+            ours["fwd ms"] / row["fla fwd ms"],
+            ours["fwd+bwd ms"],
+            row["fla fwd+bwd ms"],
+            ours["fwd+bwd ms"] / row["fla fwd+bwd ms"],
+        )
+    ]
+    assert README_NUMBER.findall(passage) == expected, passage
+    assert "h200_prepare_designs.json" in passage
+
+
 def test_readme_gpu_test_counts_are_the_committed_reports():
     """The README's count of the H200 test runs is that of the committed JUnit reports: cells of the chapters
     (every chapter among them), the chapters run with a forced dtype and their cells, and the unit suite's

@@ -132,28 +132,24 @@ def watch_nonfinite(events: dict, capture: Path | None = None) -> list:
                 "class": type(module).__name__,
             }
 
-    def before_step(optimizer, args, kwargs):
-        if "gradient" in events:
+    def record_bad(kind, optimizer, tensor_of):
+        """events[kind] at the first step where tensor_of(p) is not finite for some parameter p."""
+        if kind in events:
             return
         bad = [
             params.get(id(p), str(tuple(p.shape)))
             for group in optimizer.param_groups
             for p in group["params"]
-            if p.grad is not None and not finite(p.grad)
+            if not finite(tensor_of(p))
         ]
         if bad:
-            events["gradient"] = {"step": step["n"], "parameters": bad[:20], "count": len(bad)}
+            events[kind] = {"step": step["n"], "parameters": bad[:20], "count": len(bad)}
+
+    def before_step(optimizer, args, kwargs):
+        record_bad("gradient", optimizer, lambda p: p.grad)  # finite() passes a missing gradient (None)
 
     def after_step(optimizer, args, kwargs):
-        if "parameter" not in events:
-            bad = [
-                params.get(id(p), str(tuple(p.shape)))
-                for group in optimizer.param_groups
-                for p in group["params"]
-                if not finite(p)
-            ]
-            if bad:
-                events["parameter"] = {"step": step["n"], "parameters": bad[:20], "count": len(bad)}
+        record_bad("parameter", optimizer, lambda p: p)
         step["n"] += 1
 
     return [

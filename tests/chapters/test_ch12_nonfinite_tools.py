@@ -82,8 +82,12 @@ def test_tf32_rounding_keeps_ten_mantissa_bits():
 
 
 def test_the_float64_chunked_form_is_the_recurrence():
-    """With the exact inverse and no rounding, replay's chunked delta rule is the recurrence (float64: 1e-12,
-    many orders above its rounding, far below any difference the inverses make); T is not a multiple of 64."""
+    """With the exact inverse and no rounding, replay's chunked delta rule and its recurrence are the library's
+    delta rule (`delta_rule_recurrent`; float64: 1e-12, many orders above its rounding, far below any difference
+    the inverses make); T is not a multiple of 64. The replay keeps its own copies because it imports an old
+    build's kda_edu, which cannot share a process with the current one."""
+    from kda_edu.ops.delta_rule import delta_rule_recurrent
+
     replay = load("replay_nonfinite")
     gen = torch.Generator().manual_seed(0)
     T, K, V = 150, 8, 6
@@ -93,9 +97,11 @@ def test_the_float64_chunked_form_is_the_recurrence():
     )
     v = torch.randn(T, V, generator=gen, dtype=torch.float64)
     beta = torch.rand(T, generator=gen, dtype=torch.float64)
-    ref = replay.recurrence(q, k, v, beta, K**-0.5)
+    ref = delta_rule_recurrent(*(x[None, :, None] for x in (q, k, v, beta)), scale=K**-0.5)[0][0, :, 0]
+    mine = replay.recurrence(q, k, v, beta, K**-0.5)
     out, norms, errors = replay.chunked(q, k, v, beta, K**-0.5, replay.INVERSES["exact float64"])
-    assert (out - ref).abs().max() < 1e-12 and len(norms) == 3 and max(errors) < 1e-12
+    assert (mine - ref).abs().max() < 1e-12 and (out - ref).abs().max() < 1e-12
+    assert len(norms) == 3 and max(errors) < 1e-12
 
 
 def test_the_product_form_loses_accuracy_on_nearly_parallel_keys_in_tf32():

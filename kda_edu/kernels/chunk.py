@@ -176,6 +176,15 @@ def _pairwise_column(k_a, gc_a, j, rc):
 
 
 @jit
+def _mm(a, b, PREC: tl.constexpr):
+    """a @ b in float32 accumulation; PREC "bf16" rounds both operands to bfloat16 first (float32's range)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@jit
 def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
     """The 16 x 16 diagonal blocks of the two gated Gram matrices of one block of rows, together:
     Mk_ij = sum_c k_ic k_jc 2^(gc_ic - gc_jc) and Mq_ij = sum_c q_ic k_jc 2^(gc_ic - gc_jc) (entries j > i are
@@ -185,8 +194,8 @@ def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
     if span <= DIAG_LIMIT:
         col = tl.trans(k_a * tl.exp2(mid[None, :] - gc_a))
         row_f = tl.exp2(gc_a - mid[None, :])
-        Mk = tl.dot(k_a * row_f, col, input_precision=PREC)
-        Mq = tl.dot(q_a * row_f, col, input_precision=PREC)
+        Mk = _mm(k_a * row_f, col, PREC)
+        Mq = _mm(q_a * row_f, col, PREC)
     else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
         rc = tl.arange(0, BC)
         Mk = tl.zeros([BC, BC], dtype=tl.float32)
@@ -202,49 +211,7 @@ def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
 def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
     """One off-diagonal block pair: (k_a, q_a) rows scaled by 2^exponent (<= 0) against col^T."""
     row_f = tl.exp2(exponent)
-    return (
-        tl.dot(k_a * row_f, tl.trans(col), input_precision=PREC),
-        tl.dot(q_a * row_f, tl.trans(col), input_precision=PREC),
-    )
-
-
-@jit
-def _store_aqk(
-    aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC: tl.constexpr, BT: tl.constexpr
-):
-    """Aqk of one chunk, whole: the blocks on and below the diagonal (lower triangle of the diagonal blocks),
-    zeros above."""
-    rc = tl.arange(0, BC)
-    lower_eq = rc[:, None] >= rc[None, :]
-    _store_block(aqk, row0, 0, BC, BT, rc, tl.where(lower_eq, q00, 0.0))
-    _store_block(aqk, row0, 1, BC, BT, rc, q10)
-    _store_block(aqk, row0, 1, BC, BT, BC + rc, tl.where(lower_eq, q11, 0.0))
-    _store_block(aqk, row0, 2, BC, BT, rc, q20)
-    _store_block(aqk, row0, 2, BC, BT, BC + rc, q21)
-    _store_block(aqk, row0, 2, BC, BT, 2 * BC + rc, tl.where(lower_eq, q22, 0.0))
-    _store_block(aqk, row0, 3, BC, BT, rc, q30)
-    _store_block(aqk, row0, 3, BC, BT, BC + rc, q31)
-    _store_block(aqk, row0, 3, BC, BT, 2 * BC + rc, q32)
-    _store_block(aqk, row0, 3, BC, BT, 3 * BC + rc, tl.where(lower_eq, q33, 0.0))
-    zero = tl.zeros([BC, BC], dtype=tl.float32)  # and the blocks above the diagonal, so that Aqk reads whole
-    _store_block(aqk, row0, 0, BC, BT, BC + rc, zero)
-    _store_block(aqk, row0, 0, BC, BT, 2 * BC + rc, zero)
-    _store_block(aqk, row0, 0, BC, BT, 3 * BC + rc, zero)
-    _store_block(aqk, row0, 1, BC, BT, 2 * BC + rc, zero)
-    _store_block(aqk, row0, 1, BC, BT, 3 * BC + rc, zero)
-    _store_block(aqk, row0, 2, BC, BT, 3 * BC + rc, zero)
-
-
-@jit
-def _solve(b0, b1, b2, b3, x0, x1, x2, x3, l10, l20, l21, l30, l31, l32, PREC: tl.constexpr):
-    """Block forward substitution: rows of (I + L)^-1 B, 16 at a time; x_a = (I + L_aa)^-1."""
-    r0 = tl.dot(x0, b0, input_precision=PREC)
-    r1 = tl.dot(x1, b1 - tl.dot(l10, r0, input_precision=PREC), input_precision=PREC)
-    r2 = b2 - tl.dot(l20, r0, input_precision=PREC) - tl.dot(l21, r1, input_precision=PREC)
-    r2 = tl.dot(x2, r2, input_precision=PREC)
-    r3 = b3 - tl.dot(l30, r0, input_precision=PREC) - tl.dot(l31, r1, input_precision=PREC)
-    r3 = tl.dot(x3, r3 - tl.dot(l32, r2, input_precision=PREC), input_precision=PREC)
-    return r0, r1, r2, r3
+    return _mm(k_a * row_f, tl.trans(col), PREC), _mm(q_a * row_f, tl.trans(col), PREC)
 
 
 @jit
@@ -267,112 +234,76 @@ def _key_block(k_h, g_h, t, cols, H, HV, K, n_t):
 
 @jit
 def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
-    """The chunk's four 16-row blocks of keys and base-2 gates in key columns `cols`: k_a, the within-block
-    gate cumsums l_a (<= 0), the block gate sums s_a ([1, len(cols)]) and the rows' flags f_a (`_key_block`),
-    for a = 0..3."""
+    """The chunk's four 16-row blocks of keys in key columns `cols` (`_key_block`), the within-block gate
+    cumsums l_a and the column factors c_a = k_a * 2^(s_a - l_a) of blocks 0..2 (s_a the block's gate sum), and
+    the block gate sums s_0..s_2 ([1, len(cols)])."""
     rc = tl.arange(0, BC)
     last = (rc == BC - 1)[:, None]
-    k0, l0, f0 = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
-    k1, l1, f1 = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
-    k2, l2, f2 = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
-    k3, l3, f3 = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
+    k0, l0, _ = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
+    k1, l1, _ = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
+    k2, l2, _ = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
+    k3, l3, _ = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
     s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
     s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
     s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
-    s3 = tl.sum(tl.where(last, l3, 0.0), axis=0)[None, :]
-    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, f0, f1, f2, f3
+    c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2
 
 
 @jit
-def _pass1_keys(k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC: tl.constexpr):
-    """`_key_blocks` for pass 1: the blocks, the column factors of the blocks left of the diagonal,
-    c_a = k_a * 2^(s_a - l_a) (<= 1, the keys anchored at the end of their block, a = 0, 1, 2), and the rows'
-    flags `bad0..3` raised by this step's bad values."""
-    k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, _, f0, f1, f2, f3 = _key_blocks(
-        k_h, g_h, cols, H, HV, K, n_t, BC
+def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, A_ROW: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """Row block A_ROW of L = Diag(beta) A and of Aqk: ad / qd the diagonal block, a1.. / q1.. the blocks
+    1, 2, 3 left of it."""
+    rc = tl.arange(0, BC)
+    ta = A_ROW * BC + rc
+    b_a, _ = _clean(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
+    _store_block(
+        lmat, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] > rc[None, :], b_a * ad, 0.0)
     )
-    c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
-    bad0, bad1, bad2, bad3 = (
-        tl.maximum(bad0, f0),
-        tl.maximum(bad1, f1),
-        tl.maximum(bad2, f2),
-        tl.maximum(bad3, f3),
-    )
-    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3
+    _store_block(aqk, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] >= rc[None, :], qd, 0.0))
+    if A_ROW >= 1:
+        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, b_a * a1)
+        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, q1)
+    if A_ROW >= 2:
+        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, b_a * a2)
+        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, q2)
+    if A_ROW >= 3:
+        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, b_a * a3)
+        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, q3)
+    for c in range(A_ROW + 1, BT // BC):  # the blocks right of the diagonal
+        _store_block(aqk, row0, A_ROW, BC, BT, c * BC + rc, tl.zeros([BC, BC], dtype=tl.float32))
 
 
 @jit(do_not_specialize=["NT"])
-def _chunk_prepare_kernel(
-    q,
-    k,
-    v,
-    g,
-    beta,  # inputs [B, T, H, K] / [B, T, HV, V] / [B, T, HV, K] / [B, T, HV], contiguous
-    w,
-    u,
-    qg,
-    kd,
-    aqk,
-    gl,  # outputs [HV, NCH * BT, BK | BV | BK | BK | BT] and [HV, NCH, BK]
-    x_inv,  # with STORE_X: X = (I + L)^-1, float32 [HV, NCH * BT, BT] (the backward keeps it)
-    chunks,  # varlen only: int32 [NCH, 2] (first token, end of its sequence)
-    T,
-    H,
-    HV,
-    K,
-    V,
-    NT,
-    NCH,
-    scale,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    KC: tl.constexpr,
-    VC: tl.constexpr,
-    PREC: tl.constexpr,
+def _chunk_gram_kernel(
+    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    STORE_X: tl.constexpr = False,
-):
-    """One program per (chunk, value head): everything of the chunk that does not depend on the state.
-
-    The chunk's 64 rows are four blocks of 16 (0..3); every matrix is kept as 16 x 16 blocks in registers.
-    Pass 1 (KC key columns at a time): the blocks of A and Aqk, and qg. Then the inverses of the diagonal
-    blocks of I + L. Pass 2: w and kd by block forward substitution; pass 3: u the same way; with STORE_X,
-    pass 4: X = (I + L)^-1 into x_inv (the backward's recomputation; the forward passes None).
-    """
-    tl.static_assert(BT == 4 * BC)
+):  # fmt: skip
+    """`_chunk_gram_kernel`'s outputs with one program per (chunk, value head): all ten blocks of A and Aqk at
+    once (twenty accumulators), each key block loaded once per step."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
-    n_t = (t_end - t0).to(tl.int32)  # valid rows of this chunk (64 except at a sequence's end)
-    q_h = q + t0 * H * K + i_h * K  # row t of the chunk in q / k is at q_h + t * H * K
+    n_t = (t_end - t0).to(tl.int32)
+    q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
-    v_h = v + t0 * HV * V + i_hv * V
     b_h = beta + t0 * HV + i_hv
     rc = tl.arange(0, BC)
     t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
-    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT  # first row of this chunk in the intermediates
-
-    # Pass 1: A_ac and Aqk_ac (a >= c) accumulated over key columns. Block pair (a, c < a) is anchored at
-    # the end boundary e_c of block c: row factor 2^(gc_i - e_c) = 2^(loc_i + gates of the blocks between),
-    # column factor 2^(e_c - gc_j) = 2^(tot_c - loc_j); both exponents <= 0 whatever the gates.
+    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT
     z = tl.zeros([BC, BC], dtype=tl.float32)
     a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
     q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
     a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
-    # Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros there; their rows of u
-    # are set to NaN, and the scan kernel spoils the outputs from the first such row on (and the state).
-    bad0 = tl.zeros([BC], dtype=tl.float32)
-    bad1, bad2, bad3 = bad0, bad0, bad0
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2, bad0, bad1, bad2, bad3 = _pass1_keys(
-            k_h, g_h, cols, H, HV, K, n_t, bad0, bad1, bad2, bad3, BC
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
         )
-
         q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
         q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
         x, y = _pair(k1, q1, l1, c0, PREC)
@@ -397,83 +328,164 @@ def _chunk_prepare_kernel(
         a22, q22 = a22 + x, q22 + y
         x, y = _diag_grams(k3, q3, l3, BC, PREC)
         a33, q33 = a33 + x, q33 + y
-        # qg = scale Q * 2^gc with gc = the gate sum of the earlier blocks + loc (<= 0).
         _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
         _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
         _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
         _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
-    _store_aqk(aqk, row0, q00, q10, q11, q20, q21, q22, q30, q31, q32, q33, BC, BT)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a00, z, z, z, q00, z, z, z, 0, BT, BC)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a11, a10, z, z, q11, q10, z, z, 1, BT, BC)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a22, a21, a20, z, q22, q21, q20, z, 2, BT, BC)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a33, a32, a31, a30, q33, q32, q31, q30, 3, BT, BC)
 
-    # L = Diag(beta) A; the inverses of the diagonal blocks of I + L.
-    b0, f0 = _clean(tl.load(b_h + t_0 * HV, mask=t_0 < n_t, other=0.0).to(tl.float32)[:, None])
-    b1, f1 = _clean(tl.load(b_h + t_1 * HV, mask=t_1 < n_t, other=0.0).to(tl.float32)[:, None])
-    b2, f2 = _clean(tl.load(b_h + t_2 * HV, mask=t_2 < n_t, other=0.0).to(tl.float32)[:, None])
-    b3, f3 = _clean(tl.load(b_h + t_3 * HV, mask=t_3 < n_t, other=0.0).to(tl.float32)[:, None])
-    bad0, bad1, bad2, bad3 = (
-        tl.maximum(bad0, f0),
-        tl.maximum(bad1, f1),
-        tl.maximum(bad2, f2),
-        tl.maximum(bad3, f3),
+
+@jit
+def _load_block(ptr, row0, a, c, BC: tl.constexpr, BT: tl.constexpr):
+    """Block (a, c) of a chunk's C x C matrix stored as rows row0 .. row0 + C - 1 of a [*, C] buffer."""
+    r = (row0 + a * BC + tl.arange(0, BC)).to(tl.int64)
+    return tl.load(ptr + r[:, None] * BT + c * BC + tl.arange(0, BC)[None, :])
+
+
+@jit
+def _neg_times(x_a, acc, PREC: tl.constexpr):
+    """-x_a acc: one block of X = (I + L)^-1 left of the diagonal, from acc = sum_b L_ab X_bc."""
+    return -tl.dot(x_a, acc, input_precision=PREC)
+
+
+@jit
+def _chunk_inverse_kernel(
+    lmat,  # in: L = Diag(beta) A, out: X = (I + L)^-1, float32 [HV, NCH * BT, BT], in place
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One program per (chunk, value head): X = (I + L)^-1 of the chunk, written over L.
+
+    The diagonal blocks X_aa = (I + L_aa)^-1 by forward substitution (`_unit_lower_inverse`); then block row
+    a of (I + L) X = I gives the blocks left of the diagonal, X_ac = -X_aa sum_{c <= b < a} L_ab X_bc, block
+    column after block column (16 products of 16 x 16 blocks). X is lower triangular: zeros above."""
+    tl.static_assert(BT == 4 * BC)
+    row0 = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * BT
+    l10, l20, l21 = (
+        _load_block(lmat, row0, 1, 0, BC, BT),
+        _load_block(lmat, row0, 2, 0, BC, BT),
+        _load_block(lmat, row0, 2, 1, BC, BT),
     )
-    strict = rc[:, None] > rc[None, :]
+    l30, l31, l32 = (
+        _load_block(lmat, row0, 3, 0, BC, BT),
+        _load_block(lmat, row0, 3, 1, BC, BT),
+        _load_block(lmat, row0, 3, 2, BC, BT),
+    )
     x0, x1, x2, x3 = _unit_lower_inverse(
-        tl.where(strict, b0 * a00, 0.0),
-        tl.where(strict, b1 * a11, 0.0),
-        tl.where(strict, b2 * a22, 0.0),
-        tl.where(strict, b3 * a33, 0.0),
+        _load_block(lmat, row0, 0, 0, BC, BT),
+        _load_block(lmat, row0, 1, 1, BC, BT),
+        _load_block(lmat, row0, 2, 2, BC, BT),
+        _load_block(lmat, row0, 3, 3, BC, BT),
         BC,
     )
-    a10, a20, a21, a30, a31, a32 = b1 * a10, b2 * a20, b2 * a21, b3 * a30, b3 * a31, b3 * a32
+    x10 = _neg_times(x1, tl.dot(l10, x0, input_precision=PREC), PREC)
+    x21 = _neg_times(x2, tl.dot(l21, x1, input_precision=PREC), PREC)
+    x20 = _neg_times(x2, tl.dot(l20, x0, input_precision=PREC) + tl.dot(l21, x10, input_precision=PREC), PREC)
+    x32 = _neg_times(x3, tl.dot(l32, x2, input_precision=PREC), PREC)
+    x31 = _neg_times(x3, tl.dot(l31, x1, input_precision=PREC) + tl.dot(l32, x21, input_precision=PREC), PREC)
+    acc = tl.dot(l30, x0, input_precision=PREC) + tl.dot(l31, x10, input_precision=PREC)
+    x30 = _neg_times(x3, acc + tl.dot(l32, x20, input_precision=PREC), PREC)
+    tl.debug_barrier()  # every thread has read L before any overwrites it
+    rc = tl.arange(0, BC)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    _store_block(lmat, row0, 0, BC, BT, rc, x0)
+    _store_block(lmat, row0, 1, BC, BT, rc, x10)
+    _store_block(lmat, row0, 2, BC, BT, rc, x20)
+    _store_block(lmat, row0, 3, BC, BT, rc, x30)
+    _store_block(lmat, row0, 0, BC, BT, BC + rc, z)
+    _store_block(lmat, row0, 1, BC, BT, BC + rc, x1)
+    _store_block(lmat, row0, 2, BC, BT, BC + rc, x21)
+    _store_block(lmat, row0, 3, BC, BT, BC + rc, x31)
+    _store_block(lmat, row0, 0, BC, BT, 2 * BC + rc, z)
+    _store_block(lmat, row0, 1, BC, BT, 2 * BC + rc, z)
+    _store_block(lmat, row0, 2, BC, BT, 2 * BC + rc, x2)
+    _store_block(lmat, row0, 3, BC, BT, 2 * BC + rc, x32)
+    _store_block(lmat, row0, 0, BC, BT, 3 * BC + rc, z)
+    _store_block(lmat, row0, 1, BC, BT, 3 * BC + rc, z)
+    _store_block(lmat, row0, 2, BC, BT, 3 * BC + rc, z)
+    _store_block(lmat, row0, 3, BC, BT, 3 * BC + rc, x3)
 
-    # Pass 2: w = (I + L)^-1 Diag(beta) (K * 2^gc), kd = K * 2^(gc_C - gc), 2^gc_C.
+
+@jit(do_not_specialize=["NT"])
+def _chunk_wu_kernel(
+    k,
+    v,
+    g,
+    beta,  # inputs, contiguous
+    xmat,  # X = (I + L)^-1 of every chunk, float32 [HV, NCH * BT, BT]
+    w,
+    u,
+    kd,
+    gl,  # outputs [HV, NCH * BT, BK | BV | BK] and [HV, NCH, BK]
+    chunks,
+    T,
+    H,
+    HV,
+    K,
+    V,
+    NT,
+    NCH,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    KC: tl.constexpr,
+    VC: tl.constexpr,
+    PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    KD_TOTAL: tl.constexpr = False,
+):
+    """One program per (chunk, value head): the UT transform as whole-chunk products against X.
+
+    w = X Diag(beta) (K * 2^gc), u = X Diag(beta) V (64 x 64 times 64 x KC each), kd = K * 2^(gc_C - gc) and
+    2^gc_C. gc is the gate cumsum from the chunk's start; gc_C - gc_j is summed from the gates after j (a
+    reverse cumsum), never taken as a difference of two cumsums, which after a reset are both near -151 and
+    would keep only ~1e-5 of it. Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros
+    there and are written into u as NaN (the scan spoils the outputs from the first such row on)."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    v_h = v + t0 * HV * V + i_hv * V
+    rows = tl.arange(0, BT)
+    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT
+    r = (row0 + rows).to(tl.int64)[:, None]
+    X = tl.load(xmat + r * BT + rows[None, :])
+    b, bad = _clean(
+        tl.load(beta + t0 * HV + i_hv + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)[:, None]
+    )
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, s3, _, _, _, _ = _key_blocks(
-            k_h, g_h, cols, H, HV, K, n_t, BC
-        )
-        r0, r1, r2, r3 = _solve(
-            b0 * k0 * tl.exp2(l0), b1 * k1 * tl.exp2(l1 + s0), b2 * k2 * tl.exp2(l2 + s0 + s1),
-            b3 * k3 * tl.exp2(l3 + s0 + s1 + s2), x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
-        )  # fmt: skip
-        _store_block(w, row0, 0, BC, BK, cols, r0)
-        _store_block(w, row0, 1, BC, BK, cols, r1)
-        _store_block(w, row0, 2, BC, BK, cols, r2)
-        _store_block(w, row0, 3, BC, BK, cols, r3)
-        # gc_C - gc_j for j in block a = (s_a - loc_j) + the gate sums of the blocks after a: <= 0.
-        _store_block(kd, row0, 0, BC, BK, cols, k0 * tl.exp2(s0 - l0 + s1 + s2 + s3))
-        _store_block(kd, row0, 1, BC, BK, cols, k1 * tl.exp2(s1 - l1 + s2 + s3))
-        _store_block(kd, row0, 2, BC, BK, cols, k2 * tl.exp2(s2 - l2 + s3))
-        _store_block(kd, row0, 3, BC, BK, cols, k3 * tl.exp2(s3 - l3))
-        tl.store(gl + row0 // BT * BK + cols[None, :], tl.exp2(s0 + s1 + s2 + s3))
-
-    # Pass 3: u = (I + L)^-1 Diag(beta) V, with NaN in the rows flagged above or with a bad value here.
+        k_c, bad_k = _clean(load_rows(k_h, rows, H * K, cols, K, n_t).to(tl.float32))
+        g_c = load_rows(g_h, rows, HV * K, cols, K, n_t).to(tl.float32)
+        ok = g_c < float("inf")
+        g_c = tl.where(ok, base2_gates(g_c), 0.0)
+        if not KD_TOTAL:
+            g_next = load_rows(g_h, rows + 1, HV * K, cols, K, tl.minimum(n_t, BT)).to(
+                tl.float32
+            )  # gate j + 1
+            g_next = tl.where(g_next < float("inf"), base2_gates(g_next), 0.0)
+        bad = tl.maximum(bad, tl.maximum(bad_k, tl.max(tl.where(ok, 0.0, 1.0), axis=1)))
+        gc = tl.cumsum(g_c, axis=0)
+        if KD_TOTAL:
+            after = tl.sum(g_c, axis=0)[None, :] - gc
+        else:
+            after = tl.cumsum(g_next, axis=0, reverse=True)  # gc_C - gc_j: the gates after j
+        w_c = _mm(X, b * k_c * tl.exp2(gc), PREC)
+        tl.store(w + r * BK + cols[None, :], w_c.to(w.dtype.element_ty))
+        tl.store(kd + r * BK + cols[None, :], (k_c * tl.exp2(after)).to(kd.dtype.element_ty))
+        tl.store(gl + row0 // BT * BK + cols, tl.exp2(tl.sum(g_c, axis=0)))
     for vc in range(0, BV, VC):
         cols = vc + tl.arange(0, VC)
-        v0, e0 = _clean(load_rows(v_h, t_0, HV * V, cols, V, n_t).to(tl.float32))
-        v1, e1 = _clean(load_rows(v_h, t_1, HV * V, cols, V, n_t).to(tl.float32))
-        v2, e2 = _clean(load_rows(v_h, t_2, HV * V, cols, V, n_t).to(tl.float32))
-        v3, e3 = _clean(load_rows(v_h, t_3, HV * V, cols, V, n_t).to(tl.float32))
-        r0, r1, r2, r3 = _solve(
-            b0 * v0, b1 * v1, b2 * v2, b3 * v3, x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
-        )  # fmt: skip
-        _store_block(u, row0, 0, BC, BV, cols, _spoil(r0, bad0 + e0))
-        _store_block(u, row0, 1, BC, BV, cols, _spoil(r1, bad1 + e1))
-        _store_block(u, row0, 2, BC, BV, cols, _spoil(r2, bad2 + e2))
-        _store_block(u, row0, 3, BC, BV, cols, _spoil(r3, bad3 + e3))
-    if STORE_X:  # pass 4: X itself, the same substitution with the identity as right-hand side
-        for xc in range(0, BT, VC):
-            cols = xc + tl.arange(0, VC)
-            r0, r1, r2, r3 = _solve(
-                tl.where(t_0[:, None] == cols[None, :], 1.0, 0.0),
-                tl.where(t_1[:, None] == cols[None, :], 1.0, 0.0),
-                tl.where(t_2[:, None] == cols[None, :], 1.0, 0.0),
-                tl.where(t_3[:, None] == cols[None, :], 1.0, 0.0),
-                x0, x1, x2, x3, a10, a20, a21, a30, a31, a32, PREC,
-            )  # fmt: skip
-            _store_block(x_inv, row0, 0, BC, BT, cols, r0)
-            _store_block(x_inv, row0, 1, BC, BT, cols, r1)
-            _store_block(x_inv, row0, 2, BC, BT, cols, r2)
-            _store_block(x_inv, row0, 3, BC, BT, cols, r3)
+        v_c, bad_v = _clean(load_rows(v_h, rows, HV * V, cols, V, n_t).to(tl.float32))
+        u_c = _spoil(_mm(X, b * v_c, PREC), bad + bad_v)
+        tl.store(u + r * BV + cols[None, :], u_c.to(u.dtype.element_ty))
 
 
 @jit
@@ -714,14 +726,27 @@ def scan_value_block(programs: int, V: int, BVP: int) -> int:
     return bv
 
 
-def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=4):
-    """Allocate the prepare kernel's outputs and launch it on contiguous inputs; forward and backward share
-    this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
+def prepare_chunks(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    layout,
+    store_x=False,
+    kc=None,
+    warps=(4, 1, 4),
+):
+    """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
+    backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
 
-    Returns `(buffers, kernel)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
+    Returns `(buffers, kernels)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
-    x (X = (I + L)^-1 in float32 when `store_x`, else None); kernel is the launched kernel, or None when there
-    is no chunk. `kc` key (and value) columns per step of the kernel's passes, `warps` warps per program.
+    x (X = (I + L)^-1 in float32 when `store_x`, else None: the kernels always form it, and the buffer is
+    dropped here); kernels maps "gram", "inverse" and "wu" to the launched kernels (empty when there is no
+    chunk). `kc` key (and value) columns per step of the gram and w/u kernels' column loops, `warps` warps per
+    program of the three kernels.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -737,28 +762,45 @@ def prepare_chunks(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warp
         kd=torch.empty(rows, BK, **lo),
         aqk=torch.empty(rows, BT, **lo),
         gl=torch.empty(HV * NCH, BK, **f32),
-        x=torch.empty(rows, BT, **f32) if store_x else None,
+        x=torch.empty(rows, BT, **f32),  # L, then X = (I + L)^-1 in its place
     )
     if NCH == 0:
-        return buffers, None
+        buffers["x"] = buffers["x"] if store_x else None
+        return buffers, {}
     kc = min(kc or 32, BK)
     w, u, qg, kd, aqk, gl, x = buffers.values()
-    kernel = _chunk_prepare_kernel[(NCH, HV)](
-        q, k, v, g, beta, w, u, qg, kd, aqk, gl, x, chunks, T, H, HV, K, V, NT, NCH, scale,
-        BT=BT, BC=SUB, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, IS_VARLEN=chunks is not None,
-        STORE_X=store_x, num_warps=warps,
+    varlen = chunks is not None
+    low = "bf16" if idt != torch.float32 else prec  # the gram and w/u products (see the module docstring)
+    kernels = dict(
+        gram=_chunk_gram_kernel[(NCH, HV)](
+            q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale,
+            BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
+        ),
+        inverse=_chunk_inverse_kernel[(NCH, HV)](x, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
+        wu=_chunk_wu_kernel[(NCH, HV)](
+            k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH,
+            BT=BT, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=low, KD_TOTAL=idt != torch.float32,
+            IS_VARLEN=varlen, num_warps=warps[2],
+        ),
     )  # fmt: skip
-    return buffers, kernel
+    if not store_x:
+        buffers["x"] = None
+    return buffers, kernels
 
 
-# The two kernels by stage, for tools that launch one of them alone (chapter 8's `scan`). The functions keep
+# The kernels by stage, for tools that launch one of them alone (chapter 8's `scan`). The functions keep
 # their names: profilers report a kernel by its function's name, and the committed timings are keyed by it.
-KERNELS = {"prepare": _chunk_prepare_kernel, "scan": _chunk_scan_kernel}
+KERNELS = {
+    "gram": _chunk_gram_kernel,
+    "inverse": _chunk_inverse_kernel,
+    "wu": _chunk_wu_kernel,
+    "scan": _chunk_scan_kernel,
+}
 
 
 def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
-    bv=None, kc=None, warps_prepare=4, warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
+    bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
 ):  # fmt: skip
     """Launch the two kernels on validated inputs.
 
@@ -781,14 +823,14 @@ def chunk_kda_fwd(
     dev = q.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    buffers, kernel = prepare_chunks(
+    buffers, kernels = prepare_chunks(
         q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare
     )
     if keep is not None:
         keep.update(buffers)
-    if kernel is not None:
+    if kernels:
         if info is not None:
-            info["prepare"] = _resources(kernel)
+            info.update((name, _resources(kernel)) for name, kernel in kernels.items())
         if stop_after is not None:
             return None, None
     if N * HV == 0 or V == 0:

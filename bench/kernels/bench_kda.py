@@ -192,7 +192,11 @@ def main():
     ap.add_argument("--out", default="bench/results/h200_forward.json")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), help="time only these (default: all)")
+    ap.add_argument("--build", help="what was measured (e.g. a commit), stored as the file's 'build' field")
     args = ap.parse_args()
+    for name in set(METHODS) - set(args.methods or METHODS):
+        del METHODS[name]
     copy_bw, mm_rate = ceilings()
     print(f"copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     result = dict(
@@ -206,6 +210,8 @@ def main():
         headline=[],
         sweep=[],
     )
+    if args.build:
+        result["build"] = args.build
     if args.tune:
         result["tune"] = tune(HEADLINE[:3])
     for B, T, H in HEADLINE:

@@ -770,7 +770,7 @@ def prepare_chunks(
     kc = min(kc or 32, BK)
     w, u, qg, kd, aqk, gl, x = buffers.values()
     varlen = chunks is not None
-    low = "bf16" if idt != torch.float32 else prec  # the gram and w/u products (see the module docstring)
+    low = "bf16" if idt != torch.float32 else prec  # the gram kernel's products (see the module docstring)
     kernels = dict(
         gram=_chunk_gram_kernel[(NCH, HV)](
             q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale,
@@ -779,7 +779,7 @@ def prepare_chunks(
         inverse=_chunk_inverse_kernel[(NCH, HV)](x, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
         wu=_chunk_wu_kernel[(NCH, HV)](
             k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH,
-            BT=BT, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=low, KD_TOTAL=idt != torch.float32,
+            BT=BT, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, KD_TOTAL=idt != torch.float32,
             IS_VARLEN=varlen, num_warps=warps[2],
         ),
     )  # fmt: skip

@@ -166,25 +166,32 @@ def test_readme_kernel_timings_are_the_committed_ones():
 
 
 def test_readme_same_run_timings_are_the_committed_ones():
-    """The README's latest same-run comparison with fla: its numbers, in order, are the default design's and
-    fla's times in h200_prepare_designs.json printed to two decimals, with the ratios recomputed."""
+    """The README's latest same-run comparison with fla: its numbers, in order, are each headline shape's
+    forward times (ours, fla's, the ratio) in h200_forward_split.json, then the forward + backward at
+    (1, 8192, 32) in h200_fwd_bwd_split.json and the old prepare's forward in h200_prepare_split_rows.json,
+    printed to two decimals (shapes as written); both files are of the build the passage names."""
     passage = readme_passage("The latest run timed both in one call", "were dropped")
-    row = bench_result("h200_prepare_designs.json")["rows"][0]
-    assert (row["B"], row["T"], row["H"]) == (1, 8192, 32)  # "at the same shape" as the passage before
-    ours = row["designs"]["default"]
-    expected = [
-        f"{v:.2f}"
-        for v in (
-            ours["fwd ms"],
-            row["fla fwd ms"],
-            ours["fwd ms"] / row["fla fwd ms"],
-            ours["fwd+bwd ms"],
-            row["fla fwd+bwd ms"],
-            ours["fwd+bwd ms"] / row["fla fwd+bwd ms"],
-        )
-    ]
-    assert README_NUMBER.findall(passage) == expected, passage
-    assert "h200_prepare_designs.json" in passage
+    fwd = bench_result("h200_forward_split.json")
+    bwd = bench_result("h200_fwd_bwd_split.json")
+    assert fwd["build"] == bwd["build"] and f"build {fwd['build']}" in passage
+    expected = []
+    for row in fwd["headline"]:
+        ours, fla = (row["methods"][m]["ms"] for m in ("kda_edu chunk_kda", "fla chunk_kda"))
+        expected += [
+            f"{ours:.2f}",
+            f"{fla:.2f}",
+            f"{ours / fla:.2f}",
+            str(row["B"]),
+            str(row["T"]),
+            str(row["H"]),
+        ]
+    (row,) = [r for r in bwd["rows"] if (r["B"], r["T"], r["H"]) == (1, 8192, 32)]
+    ours, fla = row["kda_edu chunk_kda fwd+bwd ms"], row["fla chunk_kda fwd+bwd ms"]
+    expected += [f"{ours:.2f}", f"{fla:.2f}", f"{ours / fla:.2f}", "1", "8192", "32"]
+    old = bench_result("h200_prepare_split_rows.json")["rows"][0]["old"][0]["fwd_ms"]
+    expected.append(f"{old:.2f}")
+    words = re.sub(r"build \w+|[\w/.]+\.(?:json|md)", "", passage)  # the build's name and the file names
+    assert re.findall(r"\d+(?:\.\d+)?", words) == expected, passage
 
 
 def test_readme_gpu_test_counts_are_the_committed_reports():

@@ -173,7 +173,7 @@ def tune(shapes):
     variants = (
         [dict()]
         + [dict(bv=bv) for bv in (16, 32, 64)]
-        + [dict(kc=16), dict(kc=64), dict(warps_prepare=8), dict(stages=3)]
+        + [dict(kc=16), dict(kc=64), dict(warps_prepare=(8, 1, 8)), dict(stages=3)]
     )
     for B, T, H in shapes:
         x = make_inputs(B, T, H)

@@ -92,7 +92,7 @@ def memory_gib(fn, x, do):
 
 def kernel_times(x, do):
     """CUDA time per kernel of one forward and of its backward (torch profiler, one profile each, since both
-    passes run `_chunk_prepare_kernel`), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`."""
+    passes run the prepare kernels), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`."""
     from torch.profiler import ProfilerActivity, profile
 
     def per_kernel(prof):

@@ -1,6 +1,6 @@
 """Sweep chunk_kda's forward designs and launch knobs on a GPU, timing each kernel, to choose the defaults.
 
-For each headline shape: the prepare kernel alone (`stop_after` stops the launcher after it) and the whole
+For each headline shape: the three prepare kernels alone (`stop_after` stops the launcher after them) and the whole
 forward under each (key columns per step, warps) choice, the scan's time being the difference; optionally the
 scan's own knobs; fla's chunk_kda at the same shape in the same run for scale. Registers and
 spills of every compiled variant are recorded too. Results go to a JSON file; bench/NOTES.md keeps the
@@ -55,7 +55,7 @@ def main():
         rows.append(dict(shape=(B, T, H), method="fla chunk_kda", ms=ms))
         print(f"{(B, T, H)} fla chunk_kda: {ms}", flush=True)
         for kc, warps in itertools.product(args.kc, args.warps):
-            kw = dict(kc=kc, warps_prepare=warps)
+            kw = dict(kc=kc, warps_prepare=(warps, 1, warps))  # gram, inverse, w/u
             t_prep = timed(rows, (B, T, H), call, stop_after="prepare", **kw)
             total = timed(rows, (B, T, H), call, **kw)
             rows[-1].update(prepare_ms=t_prep, scan_ms=total - t_prep)

@@ -1,28 +1,35 @@
-"""Chunked KDA forward in Triton: one kernel parallel over chunks, one sequential over them.
+"""Chunked KDA forward in Triton: three kernels parallel over chunks, then one sequential over them.
 
-This is `kda_edu.ops.kda.kda_chunked` (read its docstring first: the notation below is the same) turned into two
-kernels whose tiles stay small.
+This is `kda_edu.ops.kda.kda_chunked` (read its docstring first: the notation below is the same) turned into
+kernels whose tiles stay small. The chunk's 64 rows are four blocks of 16; L = Diag(beta) A.
 
-Kernel 1, `_chunk_prepare_kernel`, one program per (chunk, value head), all chunks at once. The chunk's 64
-rows are four blocks of 16 and every C x C matrix is kept as 16 x 16 blocks in registers:
-    pass 1, KC key columns at a time: the blocks of A (keys against keys) and Aqk (queries against keys)
-        on and below the diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk);
-    the inverses (I + L_aa)^-1 of the four diagonal blocks of I + L, L = Diag(beta) A, by forward
-        substitution (16 rows, element-wise float32: accurate when keys are nearly parallel, see
-        `_unit_lower_inverse`);
-    pass 2: w = (I + L)^-1 Diag(beta) (K * exp(gc)) by block forward substitution (the UT transform, 16 rows
-        at a time: r_a = (I + L_aa)^-1 (b_a - sum_{c < a} L_ac r_c)), kd = K * exp(gc_C - gc), exp(gc_C);
-    pass 3: u = (I + L)^-1 Diag(beta) V the same way;
-    pass 4, only with STORE_X (chunk_bwd.py's recomputation): X = (I + L)^-1 itself, the identity as b.
-    Nothing here depends on the state, so every chunk runs in parallel. Aqk is written whole (zeros above
-    the diagonal blocks), so the scan reads it without a mask.
-Kernel 2, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
+Kernel 1, `_chunk_gram_kernel`, one program per (chunk, value head), all chunks at once: KC key columns at a
+    time, the ten 16 x 16 blocks of A (keys against keys) and Aqk (queries against keys) on and below the
+    diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk). Writes qg, Aqk whole (zeros
+    above the diagonal blocks, so the scan reads it without a mask) and L (float32) into the x buffer.
+Kernel 2, `_chunk_inverse_kernel`, one program (one warp) per (chunk, value head): X = (I + L)^-1 over L in
+    place. The diagonal blocks X_aa = (I + L_aa)^-1 by forward substitution (16 rows, element-wise float32:
+    accurate when keys are nearly parallel, see `_unit_lower_inverse`), then block row a of (I + L) X = I
+    gives X_ac = -X_aa sum_{c <= b < a} L_ab X_bc for c < a (16 products of 16 x 16 blocks).
+Kernel 3, `_chunk_wu_kernel`, one program per (chunk, value head): the UT transform as whole-chunk products,
+    w = X Diag(beta) (K * exp(gc)) and u = X Diag(beta) V (64 x 64 times 64 x KC), kd = K * exp(gc_C - gc)
+    and exp(gc_C).
+    Nothing in kernels 1-3 depends on the state, so every chunk runs in parallel. The backward runs the same
+    three to recompute them (chunk_bwd.py), and keeps X from the x buffer.
+Kernel 4, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
     with the state S (K x BV, float32, in registers for the whole sequence)
         U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
     four matrix products per chunk, two against S (w S, qg S) and two against U (Aqk U, kd^T U): the only
     sequential work left.
 
-Between the two kernels go w, qg, kd, u, Aqk and exp(gc_C): about (3K + V + C) numbers per step and head,
+Why three prepare kernels and not one: until session 15 one kernel did kernels 1-3's work (the A blocks, the
+inverse, then w and u by block substitution), holding everything in registers: 255 registers at 4 warps, two
+programs per multiprocessor, instruction-bound (bench/results/h200_ncu_profile.json). Split, each kernel holds
+only its own work; on the H200 the prepare fell from 1.19 to 0.85 ms at (1, 8192, 32), most of it from the
+bf16 products of kernel 1 and from kd's exponent in kernel 3 (bench/NOTES.md, session 15, and
+bench/results/h200_prepare_split_variants.json).
+
+Between the prepare kernels and the scan go w, qg, kd, u, Aqk and exp(gc_C): about (3K + V + C) numbers per step and head,
 stored in the input's 16-bit dtype (float32 for float32 inputs). Their layout is [HV, chunk, row, column]:
 chunks are numbered over all sequences, so a packed batch (`cu_seqlens`) only changes which token a chunk
 starts at; a chunk never straddles two sequences.
@@ -44,23 +51,27 @@ gates at -5: float32 overflows past exp(88.7). So every split is anchored where 
     branch; it is there so that no input produces inf or NaN.
 All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 
-Why blocks of 16 and not whole-chunk tiles: a 64 x 64 float32 tile costs 32 registers a thread at 4 warps,
-and a whole-chunk inverse needs several alive at once, so such designs spill. The 16 x 16 blocks cost many
-small products instead: speed depends on how well those are scheduled. The kernel still compiles to 255
-registers at 4 warps and spills; its 20 pass-1 accumulators alone would take 40. The designs tried and their
-timings are in bench/NOTES.md; the current timings in bench/results/h200_forward.json.
+Why blocks of 16 in kernel 1: its anchors differ from block to block (above), so its products are 16 x 16
+blocks; it holds twenty accumulators and compiles to 255 registers at 4 warps, with spills. Kernel 3 has no
+anchor to respect (exp(gc) <= 1) and multiplies whole chunks. The designs tried and their timings are in
+bench/NOTES.md; the current timings in bench/results/h200_forward_split.json.
 
-Precision: gates, decays, A, the inverses and the state are float32. With 16-bit inputs the matrix products
-inside the chunk use tf32 (float32 range, which the anchored factors need), the products against the state
-use the 16-bit dtype with float32 accumulation. With float32 inputs every product is exact float32 ("ieee").
-Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable). The diagonal inverses
-use no product at all: element-wise float32 forward substitution.
+Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
+operands to bfloat16 (`_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
+its 8-bit mantissa matches the 16-bit intermediates it feeds), kernels 2 and 3 use tf32, and the products
+against the state use the 16-bit dtype, all with float32 accumulation. With float32 inputs every product is
+exact float32 ("ieee"). Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
+The diagonal inverses use no product at all: element-wise float32 forward substitution. kd's exponent
+gc_C - gc_j is summed from the gates after j (a reverse cumsum) with float32 intermediates, exact after a
+reset; with 16-bit intermediates it is the chunk's gate total minus the cumsum (a scan less), whose rounding
+after a reset (both near -151 per reset in base 2) is ~1e-5 relative per reset, far below the 16-bit kd's
+own rounding (3.9e-3 for bfloat16).
 
 Resets and bad values. Gates are raised to GATE_FLOOR (-105, whose exp is 0 in float32) as they are loaded
 (`base2_gates`): a reset of -1000 or -inf decays exactly as before, and every gate sum stays finite and small.
-A NaN or inf in k, v or beta, or a NaN or +inf gate, at step t: the prepare kernel computes with zeros in
-its place (so every product stays finite, and the zeros of the causal masks multiply numbers) and writes
-NaN into row t of u; the scan kernel reads U with its non-finite rows as zeros for Aqk U and sets the outputs
+A NaN or inf in k, v or beta, or a NaN or +inf gate, at step t: the prepare kernels compute with zeros in
+its place (so every product stays finite, and the zeros of the causal masks multiply numbers) and kernel 3
+writes NaN into row t of u; the scan kernel reads U with its non-finite rows as zeros for Aqk U and sets the outputs
 from the first such row on to NaN; the state update kd^T U reads the NaN rows, so the state after the chunk
 is NaN, as in the loop. The outputs before t are exact.
 """
@@ -802,14 +813,15 @@ def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
     bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
 ):  # fmt: skip
-    """Launch the two kernels on validated inputs.
+    """Launch the four kernels on validated inputs.
 
     The keywords after cu_seqlens are tuning knobs that bench/kernels/tune_chunk.py sweeps: `bv` value columns per
-    scan program, `kc` key (and value) columns per step of the prepare kernel's passes, `warps_*` warps per
-    program of each kernel, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the
-    first kernel (to time it alone); `info`, a dict, receives registers / spills / shared memory of each.
-    `keep`, a dict, receives the prepare kernel's outputs (w, u, qg, kd, aqk, gl) and X = (I + L)^-1, which
-    the prepare then also writes (STORE_X): everything the backward would otherwise recompute first.
+    scan program, `kc` key (and value) columns per step of the gram and w/u kernels' column loops,
+    `warps_prepare` warps per program of the three prepare kernels (gram, inverse, w/u), `warps_scan` of the
+    scan, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the three prepare
+    kernels (to time them alone); `info`, a dict, receives registers / spills / shared memory of each kernel,
+    by `KERNELS`' names. `keep`, a dict, receives the prepare kernels' outputs (w, u, qg, kd, aqk, gl) and
+    X = (I + L)^-1: everything the backward would otherwise recompute first.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

@@ -90,18 +90,20 @@ def memory_gib(fn, x, do):
     return (torch.cuda.max_memory_allocated() - base) / 2**30, held / 2**30
 
 
+def per_kernel_us(prof, width=60):
+    """CUDA time per kernel name (cut to `width` characters) of a finished torch profile, microseconds."""
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            out[e.key[:width]] = round(us, 1)
+    return out
+
+
 def kernel_times(x, do):
     """CUDA time per kernel of one forward and of its backward (torch profiler, one profile each, since both
     passes run the prepare kernels), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`."""
     from torch.profiler import ProfilerActivity, profile
-
-    def per_kernel(prof):
-        out = {}
-        for e in prof.key_averages():
-            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if us:
-                out[e.key[:60]] = round(us, 1)
-        return out
 
     fn = METHODS["kda_edu chunk_kda"]
     with profile(activities=[ProfilerActivity.CUDA]) as fwd:
@@ -112,7 +114,7 @@ def kernel_times(x, do):
         torch.cuda.synchronize()
     for t in x.values():
         t.grad = None
-    return {"forward": per_kernel(fwd), "backward": per_kernel(bwd)}
+    return {"forward": per_kernel_us(fwd), "backward": per_kernel_us(bwd)}
 
 
 def main():

@@ -21,7 +21,7 @@ import sys
 
 import torch
 from bench_kda import make_inputs, run_environment
-from bench_kda_bwd import kernel_times
+from bench_kda_bwd import kernel_times, per_kernel_us
 from bench_kda_bwd import make_inputs as make_grad_inputs
 from triton.testing import do_bench
 
@@ -47,12 +47,7 @@ def kernel_us(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us:
-            out[e.key[:40]] = round(us, 1)
-    return out
+    return per_kernel_us(prof, 40)
 
 
 def max_error(fwd, kw, small):

@@ -126,6 +126,17 @@ def chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @jit
+def chunk_program(chunks, T, NT, H, HV, NCH, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a program over (chunk, value head) works on, from its ids: the value head i_hv, its key head i_h,
+    the chunk's first token t0 (in the flattened [B * T]), its valid rows n_t (int32; more than BT when the
+    sequence goes on) and its first row in the intermediates, row0."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    return i_hv, i_hv // (HV // H), t0, (t_end - t0).to(tl.int32), (i_hv * NCH + i_c).to(tl.int64) * BT
+
+
+@jit
 def _substitute_row(L, X, i, r):
     """Row i of forward substitution for X = (I + L)^-1: X_i = e_i - sum_{j < i} L_ij X_j."""
     l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), axis=0)  # row i of L (zeros from column i on)
@@ -294,18 +305,13 @@ def _chunk_gram_kernel(
 ):  # fmt: skip
     """`_chunk_gram_kernel`'s outputs with one program per (chunk, value head): all ten blocks of A and Aqk at
     once (twenty accumulators), each key block loaded once per step."""
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
-    n_t = (t_end - t0).to(tl.int32)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
     b_h = beta + t0 * HV + i_hv
     rc = tl.arange(0, BC)
     t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
-    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT
     z = tl.zeros([BC, BC], dtype=tl.float32)
     a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
     q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
@@ -453,19 +459,15 @@ def _chunk_wu_kernel(
 
     w = X Diag(beta) (K * 2^gc), u = X Diag(beta) V (64 x 64 times 64 x KC each), kd = K * 2^(gc_C - gc) and
     2^gc_C. gc is the gate cumsum from the chunk's start; gc_C - gc_j is summed from the gates after j (a
-    reverse cumsum), never taken as a difference of two cumsums, which after a reset are both near -151 and
-    would keep only ~1e-5 of it. Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros
+    reverse cumsum: after a reset, gc_C and gc_j are both near -151 and their difference keeps ~1e-5 of its
+    value), except with KD_TOTAL (16-bit intermediates, whose own rounding is far larger), which takes that
+    difference and saves a second gate load and scan. Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros
     there and are written into u as NaN (the scan spoils the outputs from the first such row on)."""
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
-    n_t = (t_end - t0).to(tl.int32)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
     v_h = v + t0 * HV * V + i_hv * V
     rows = tl.arange(0, BT)
-    row0 = (i_hv * NCH + i_c).to(tl.int64) * BT
     r = (row0 + rows).to(tl.int64)[:, None]
     X = tl.load(xmat + r * BT + rows[None, :])
     b, bad = _clean(

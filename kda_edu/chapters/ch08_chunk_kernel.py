@@ -1,20 +1,23 @@
 """Chapter 8's tools for taking `kda_edu.kernels.chunk` apart: stage by stage, byte by byte, and its benchmark.
 
-- `prepare` runs only the first kernel (`_chunk_prepare_kernel`) and returns its intermediates (w, u, qg, kd,
-  Aqk, exp(gc_C)) as `[B, HV, NT, C, *]` tensors; `scan` runs the second kernel on them.
+- `prepare` runs only the three prepare kernels (`_chunk_gram_kernel`, `_chunk_inverse_kernel`,
+  `_chunk_wu_kernel`, through `prepare_chunks`) and returns their intermediates (w, u, qg, kd, Aqk, exp(gc_C),
+  and on request X = (I + L)^-1) as `[B, HV, NT, C, *]` tensors; `scan` runs the scan kernel on them.
 - `reference_intermediates` computes the same intermediates in float64 PyTorch, from the chunkwise pieces of
   chapter 6 (`kda_edu.ops.chunkwise`).
-- `diagonal_block_inverse` and `block_forward_substitution` are the kernel's triangular solve, written in
-  PyTorch so that they can be checked against `torch.linalg.inv` / `torch.linalg.solve`: (I + L)^-1 B, 16
-  rows at a time, with the 16 x 16 diagonal blocks inverted by forward substitution, row by row.
-  `neumann_block_inverse` is the product form the kernel used before, kept to show why it was dropped.
-- `design_traffic` and `design_flops` count what the two kernels move and compute per token and head.
+- `diagonal_block_inverse`, `block_inverse` and `block_forward_substitution` are the inverse kernel's
+  arithmetic written in PyTorch so that they can be checked against `torch.linalg.inv` / `torch.linalg.solve`:
+  the 16 x 16 diagonal blocks of I + L inverted by forward substitution, row by row; the blocks of
+  X = (I + L)^-1 left of the diagonal, block row by block row, as the kernel forms them; and (I + L)^-1 B
+  16 rows at a time (with B = I it gives X). `neumann_block_inverse` is the product form an earlier kernel
+  used for the diagonal blocks, kept to show why it was dropped.
+- `design_traffic` and `design_flops` count what the four kernels move and compute per token and head.
 - `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
   `kda_edu.book.bench_result`).
 - `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor by registers;
   `fixed_cost_lengths` finds where a sweep's time stops growing with T (a fixed cost per call dominates).
 - `hopper_instructions` compiles kernels for the H200 (sm_90) without a GPU and counts the tensor-core
-  instructions and TMA copies in their PTX: chunk_kda's two, and `tile_product` (one product) and
+  instructions and TMA copies in their PTX: chunk_kda's four, and `tile_product` (one product) and
   `tile_product_tma` (the same through tensor descriptors). `block_pointer_copy` runs a kernel written with
   block pointers, to see whether the installed Triton still accepts them.
 - `LADDER` lists the versions of the forward the chapter builds, from `ch08_chunk_v0` to the kernels of
@@ -52,23 +55,27 @@ LADDER = {
     ),
     "chunk_kda": (
         chunk_kda_fwd,
-        "kda_edu.kernels.chunk: 16 x 16 blocks with anchored decays as tensor-core products, block forward "
-        "substitution, 16-bit intermediates, the state split over blocks of value columns",
+        "kda_edu.kernels.chunk: 16 x 16 blocks with anchored decays as tensor-core products, (I + L)^-1 from "
+        "16 x 16 blocks, w and u as whole-chunk products, 16-bit intermediates, the state split over blocks of "
+        "value columns",
     ),
 }
 
 # ---------------------------------------------------------------------------------------------------------
-# The two kernels, one at a time
+# The kernels, one stage at a time
 
 
-def prepare(q, k, v, g, beta, scale: float | None = None, kc: int | None = None) -> dict:
-    """Run `_chunk_prepare_kernel` alone (float32 inputs) and return its outputs, chunk by chunk.
+def prepare(
+    q, k, v, g, beta, scale: float | None = None, kc: int | None = None, store_x: bool = False
+) -> dict:
+    """Run the three prepare kernels alone (float32 inputs) and return their outputs, chunk by chunk.
 
     Returns a dict of `[B, HV, NT, C, *]` tensors, trimmed to K / V columns: `w`, `u`, `qg`, `kd` (`[.., K]` or
     `[.., V]`), `aqk` (`[.., C, C]`, lower triangle, zeros above), `gl`
-    (`[B, HV, NT, K]`, exp(gc_C)), and `flat`: the padded buffers as the scan kernel reads them (layout
+    (`[B, HV, NT, K]`, exp(gc_C)), with `store_x` also `x` (`[.., C, C]`, X = (I + L)^-1 as the inverse kernel
+    wrote it, float32), and `flat`: the padded buffers as the scan kernel reads them (layout
     `[HV, B * NT * C, cols]`: value head first, then the global chunk index, then the row). `kc` key columns
-    per step of the kernel's column loops (the launcher's default when None).
+    per step of the kernels' column loops (the launcher's default when None).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -76,14 +83,16 @@ def prepare(q, k, v, g, beta, scale: float | None = None, kc: int | None = None)
     BT = CHUNK
     NT, NCH, _, _ = layout = chunk_layout(T, B)  # chunk i_c is chunk i_c % NT of sequence i_c // NT
     q, k, v, g, beta = (x.contiguous().float() for x in (q, k, v, g, beta))
-    flat = prepare_chunks(q, k, v, g, beta, scale, layout, kc=kc)[0]  # the launch chunk_kda uses
-    flat.pop("x")  # None: X is stored only for the backward
+    flat = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=store_x, kc=kc)[0]  # chunk_kda's launch
+    x_buf = flat.pop("x")  # X = (I + L)^-1, or None: returned only on request
 
     def view(name, cols):  # [HV, B, NT, C, cols] -> [B, HV, NT, C, cols]
         return flat[name].view(HV, B, NT, BT, -1).permute(1, 0, 2, 3, 4)[..., :cols]
 
     out = dict(w=view("w", K), u=view("u", V), qg=view("qg", K), kd=view("kd", K), aqk=view("aqk", BT).tril())
     out["gl"] = flat["gl"].view(HV, B, NT, pow2(K)).permute(1, 0, 2, 3)[..., :K]
+    if store_x:
+        out["x"] = x_buf.view(HV, B, NT, BT, BT).permute(1, 0, 2, 3, 4)
     out["flat"] = flat
     out["sizes"] = dict(B=B, T=T, HV=HV, K=K, V=V, NT=NT, NCH=NCH)
     return out
@@ -111,12 +120,12 @@ def scan(prepared: dict, initial_state: torch.Tensor | None = None, bv: int = 16
 
 
 def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dict:
-    """The prepare kernel's outputs computed in float64 PyTorch, `[B, HV, NT, C, *]` like `prepare`.
+    """The prepare kernels' outputs computed in float64 PyTorch, `[B, HV, NT, C, *]` like `prepare`.
 
     Also returns `gc` (the within-chunk cumulative log decay), `A` (chapter 6's A, strictly lower triangular
-    with beta inside: chapter 8's and the kernel's L = Diag(beta) A), `X` = (I + L)^-1 (which the forward
-    kernel never forms; only the backward's STORE_X pass does) and `rhs` = Diag(beta) [K * exp(gc), V], the
-    right-hand sides whose solutions are [w, u].
+    with beta inside: chapter 8's and the kernel's L = Diag(beta) A), `X` = (I + L)^-1 (what the inverse
+    kernel writes over L) and `rhs` = Diag(beta) [K * exp(gc), V], the right-hand sides whose solutions are
+    [w, u].
     """
     f64 = torch.float64
     q_c, k_c, v_c, _, gc, beta_c = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=CHUNK, dtype=f64)
@@ -137,7 +146,8 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
 
 
 def diagonal_block_inverse(L: torch.Tensor) -> torch.Tensor:
-    """`X = (I + L)^-1` of strictly lower-triangular blocks `[..., n, n]` by forward substitution, as the kernel.
+    """`X = (I + L)^-1` of strictly lower-triangular blocks `[..., n, n]` by forward substitution, as the
+    inverse kernel does it for its four diagonal blocks (`_unit_lower_inverse`).
 
     Row i of `(I + L) X = I` reads `X_i + sum_{j < i} L_ij X_j = e_i`: each row needs only the rows above it,
     so n - 1 steps of one row each (the kernel does the same with element-wise products, four blocks at once).
@@ -150,7 +160,7 @@ def diagonal_block_inverse(L: torch.Tensor) -> torch.Tensor:
 
 
 def neumann_block_inverse(L: torch.Tensor) -> torch.Tensor:
-    """`(I + L)^-1` of strictly lower-triangular blocks `[..., n, n]` by products (the kernel's former way).
+    """`(I + L)^-1` of strictly lower-triangular blocks `[..., n, n]` by products (an earlier kernel's way).
 
     L^n = 0, so the Neumann series I - L + L^2 - ... is finite, and with m = the next power of two >= n it
     factors as (I - L)(I + L^2)(I + L^4)...(I + L^(m/2)): for n = 16, three squarings and three updates,
@@ -166,8 +176,35 @@ def neumann_block_inverse(L: torch.Tensor) -> torch.Tensor:
     return X
 
 
+def block_inverse(L: torch.Tensor, block: int = SUB) -> torch.Tensor:
+    """`X = (I + L)^-1` for strictly lower-triangular L `[..., C, C]`, as `_chunk_inverse_kernel` forms it.
+
+    The diagonal blocks X_aa by forward substitution (`diagonal_block_inverse`); then block row a of
+    (I + L) X = I gives each block left of the diagonal, X_ac = -X_aa sum_{c <= b < a} L_ab X_bc, from the
+    blocks of X already formed in the rows above. Only the blocks on and below the diagonal are multiplied:
+    for C = 64 and 16-row blocks, 16 products of 16 x 16 blocks (`design_flops`).
+    """
+    C = L.shape[-1]
+    if C % block:
+        raise ValueError(f"the chunk ({C} rows) must be a whole number of blocks of {block}")
+    nb = C // block
+
+    def blk(M, a, c):
+        return M[..., a * block : (a + 1) * block, c * block : (c + 1) * block]
+
+    Xb = {(a, a): diagonal_block_inverse(blk(L, a, a)) for a in range(nb)}
+    for a in range(nb):
+        for c in range(a):
+            acc = sum(blk(L, a, b) @ Xb[(b, c)] for b in range(c, a))
+            Xb[(a, c)] = -(Xb[(a, a)] @ acc)
+    zero = torch.zeros_like(Xb[(0, 0)])
+    return torch.cat([torch.cat([Xb.get((a, c), zero) for c in range(nb)], -1) for a in range(nb)], -2)
+
+
 def block_forward_substitution(L: torch.Tensor, B: torch.Tensor, block: int = SUB) -> torch.Tensor:
-    """`(I + L)^-1 B` for strictly lower-triangular L `[..., C, C]` and B `[..., C, n]`, the way the kernel does it.
+    """`(I + L)^-1 B` for strictly lower-triangular L `[..., C, C]` and B `[..., C, n]`, 16 rows at a time.
+
+    (The single prepare kernel of the previous build solved for w and u this way; with B = I it gives X.)
 
     The rows are taken `block` at a time (block a = rows a*block .. a*block + block - 1): with X_a the inverse
     of the diagonal block I + L_aa (`diagonal_block_inverse`),
@@ -193,32 +230,35 @@ def block_forward_substitution(L: torch.Tensor, B: torch.Tensor, block: int = SU
 # ---------------------------------------------------------------------------------------------------------
 # What the design moves and computes, per token and value head
 
-L2_REREAD = "prepare re-reads k, g in pass 2 (assumed from L2)"
-
 
 def design_traffic(K: int, V: int, C: int = CHUNK, in_bytes: int = 2, mid_bytes: int = 2) -> dict[str, float]:
-    """Bytes per token and value head that the two kernels move (each tensor once through memory).
+    """Bytes per token and value head that the four kernels move through memory, kernel by kernel.
 
     `in_bytes`: element size of q, k, v, beta and o (2 for bfloat16); g is float32. `mid_bytes`: element size
-    of the intermediates w, qg, kd (K columns), u (V columns) and Aqk (C columns; the kernel writes only the
-    blocks on and below the diagonal, the scan reads the whole row: counted as C both ways). exp(gc_C) is
-    float32, K numbers per chunk. The prepare kernel reads k and g a second time in pass 2; the same program
-    read them moments before, so the second read is assumed to hit the L2 cache: it is listed under
-    `L2_REREAD` and left out of `memory_bytes`.
+    of the intermediates w, qg, kd (K columns), u (V columns) and Aqk (C columns; the gram kernel writes the
+    whole row, zeros above the diagonal, and the scan reads it). exp(gc_C) is float32, K numbers per chunk.
+    L and X are float32 and go through the x buffer: the gram kernel writes the blocks of L on and below the
+    diagonal (on average (C / 16 + 1) / 2 blocks of 16 columns per row), the inverse kernel reads them and
+    writes X whole (zeros above), the w/u kernel reads X whole. The w/u kernel reads k, g and beta again: a
+    separate launch, long after the gram kernel read them (at the benchmark's shapes k and g alone are
+    larger than the H200's 50 MB L2 cache), so the second read is counted as memory traffic.
     """
     between = mid_bytes * (3 * K + V + C) + 4 * K / C
+    l_cols = (C // SUB + 1) * SUB / 2  # columns of L on and below the diagonal, per row on average
     return {
-        "prepare reads q, k, v, g, beta": in_bytes * (2 * K + V + 1) + 4 * K,
-        L2_REREAD: in_bytes * K + 4 * K,
-        "prepare writes w, u, qg, kd, Aqk, exp(gc_C)": between,
-        "scan reads them back": between,
+        "gram reads q, k, g, beta": in_bytes * (2 * K + 1) + 4 * K,
+        "gram writes qg, Aqk, L": mid_bytes * (K + C) + 4 * l_cols,
+        "inverse reads L, writes X": 4 * l_cols + 4 * C,
+        "w/u reads k, v, g, beta, X": in_bytes * (K + V + 1) + 4 * K + 4 * C,
+        "w/u writes w, u, kd, exp(gc_C)": mid_bytes * (2 * K + V) + 4 * K / C,
+        "scan reads w, u, qg, kd, Aqk, exp(gc_C)": between,
         "scan writes o": in_bytes * V,
     }
 
 
 def memory_bytes(traffic: dict[str, float]) -> float:
-    """The bytes of `design_traffic` that go through device memory: everything but the L2 re-read."""
-    return sum(v for name, v in traffic.items() if name != L2_REREAD)
+    """The bytes of `design_traffic` through device memory: all of them."""
+    return sum(traffic.values())
 
 
 def floor_bytes(K: int, V: int, in_bytes: int = 2) -> int:
@@ -226,16 +266,24 @@ def floor_bytes(K: int, V: int, in_bytes: int = 2) -> int:
     return in_bytes * (2 * K + 2 * V + 1) + 4 * K
 
 
+def inverse_products(C: int = CHUNK, sub: int = SUB) -> int:
+    """Products of sub x sub blocks the inverse kernel forms for the blocks of X left of the diagonal:
+    block (a, c) takes a - c products L_ab X_bc and one X_aa (..)."""
+    nb = C // sub
+    return sum((a - c) + 1 for a in range(nb) for c in range(a))
+
+
 def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, float]:
-    """FLOPs per token and value head of the two kernels, by phase (2 FLOPs per multiply-add)."""
+    """FLOPs per token and value head of the four kernels, by phase (2 FLOPs per multiply-add)."""
     nb = C // sub  # blocks of rows per chunk
     pairs = nb * (nb + 1) // 2  # blocks (a, c) with c <= a: A and Aqk each, [sub, K] x [K, sub]
     return {
-        "prepare: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
+        "prepare (gram): A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
         # forward substitution: sub - 1 row steps, each a masked [sub, sub] multiply and column sum
-        "prepare: diagonal block inverses": nb * (sub - 1) * 2 * sub * sub / C,
-        # per column: block a costs a products L_ac R_c and one X_a (..): nb (nb + 1) / 2 products [sub, sub]
-        "prepare: w, u by block substitution": pairs * 2 * sub * sub * (K + V) / C,
+        "prepare (inverse): diagonal block inverses": nb * (sub - 1) * 2 * sub * sub / C,
+        "prepare (inverse): blocks of X left of the diagonal": inverse_products(C, sub) * 2 * sub**3 / C,
+        # X [C, C] against Diag(beta) [K * 2^gc, V]: the whole chunk, zeros above the diagonal included
+        "prepare (w/u): X times [K * 2^gc, V]": 2 * C * (K + V),
         "scan: w S, qg S, kd^T U": 3 * 2 * K * V,
         "scan: Aqk U": 2 * C * V,
     }
@@ -384,29 +432,70 @@ def block_pointer_copy(x: torch.Tensor) -> torch.Tensor:
 # and the TMA's bulk tensor copies.
 PTX_COUNTS = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync", "TMA copies": "cp.async.bulk.tensor"}
 
-_BF16_IN = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16")
 _BF16_MID = dict(w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
 
 
 def _compile_specs(K: int = 128, V: int = 128) -> dict:
-    """The two kernels of `chunk_kda_fwd` as it launches them for bfloat16 inputs with K = V = 128 (4 warps,
-    32 key columns per step, a scan of 32 value columns with two pipeline stages; no state, no cu_seqlens)."""
-    ints = dict.fromkeys(["T", "H", "HV", "K", "V", "NT", "NCH"], "i32")
-    prepare = dict(
-        signature={**_BF16_IN, **_BF16_MID, "x_inv": "*fp32", "chunks": "*i32", **ints, "scale": "fp32"},
-        constexprs=dict(
-            BT=CHUNK, BC=SUB, BK=K, BV=V, KC=32, VC=32, PREC="tf32", IS_VARLEN=False, STORE_X=False
+    """The four kernels of `chunk_kda_fwd` as it launches them for bfloat16 inputs with K = V = 128 (warps
+    (4, 1, 4) for gram, inverse and w/u, 32 key columns per step, bfloat16 operands in the gram kernel and
+    tf32 in the others, a scan of 32 value columns with two pipeline stages; no state, no cu_seqlens)."""
+    i32 = "i32"
+    gram = dict(
+        signature=dict(
+            q="*bf16",
+            k="*bf16",
+            g="*fp32",
+            beta="*bf16",
+            qg="*bf16",
+            aqk="*bf16",
+            lmat="*fp32",
+            chunks="*i32",
+            T=i32,
+            H=i32,
+            HV=i32,
+            K=i32,
+            NT=i32,
+            NCH=i32,
+            scale="fp32",
         ),
+        constexprs=dict(BT=CHUNK, BC=SUB, BK=K, KC=32, PREC="bf16", IS_VARLEN=False),
         options=dict(num_warps=4),
     )
-    ints.pop("H")
+    inverse = dict(
+        signature=dict(lmat="*fp32"),
+        constexprs=dict(BT=CHUNK, BC=SUB, PREC="tf32"),
+        options=dict(num_warps=1),
+    )
+    wu = dict(
+        signature=dict(
+            k="*bf16",
+            v="*bf16",
+            g="*fp32",
+            beta="*bf16",
+            xmat="*fp32",
+            w="*bf16",
+            u="*bf16",
+            kd="*bf16",
+            gl="*fp32",
+            chunks="*i32",
+            T=i32,
+            H=i32,
+            HV=i32,
+            K=i32,
+            V=i32,
+            NT=i32,
+            NCH=i32,
+        ),
+        constexprs=dict(BT=CHUNK, BK=K, BV=V, KC=32, VC=32, PREC="tf32", IS_VARLEN=False, KD_TOTAL=True),
+        options=dict(num_warps=4),
+    )
     scan = dict(
         signature={**_BF16_MID, "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
-                   "chunk_offsets": "*i32", **ints},
+                   "chunk_offsets": "*i32", **dict.fromkeys(["T", "HV", "K", "V", "NT", "NCH"], i32)},
         constexprs=dict(BT=CHUNK, BK=K, BVP=V, BV=32, USE_H0=False, STORE_HT=False, PREC="tf32", IS_VARLEN=False),
         options=dict(num_warps=4, num_stages=2),
     )  # fmt: skip
-    return {"prepare": prepare, "scan": scan}
+    return {"gram": gram, "inverse": inverse, "wu": wu, "scan": scan}
 
 
 def _count_sm90(job: dict) -> dict[str, int]:
@@ -433,7 +522,7 @@ def _count_sm90(job: dict) -> dict[str, int]:
 
 def hopper_instructions(jobs: list[dict]) -> list[dict[str, int]]:
     """Compile kernels for the H200 (sm_90) without a GPU and count, in each one's PTX, the instructions of
-    `PTX_COUNTS`. A job is `{"kernel": "prepare"}` or `{"kernel": "scan"}` (chunk_kda's kernels as
+    `PTX_COUNTS`. A job is `{"kernel": name}` with name one of "gram", "inverse", "wu", "scan" (chunk_kda's kernels as
     `_compile_specs` launches them) or `{"kernel": "tile_product", "M": .., "N": .., "K": .., "warps": ..}` (or `"tile_product_tma"`).
 
     The compiler runs in a fresh Python: where there is no GPU this process builds kda_edu's kernels for the

@@ -6,7 +6,7 @@
 - `input_grads`: autograd's answer for any KDA function, the reference the hand-written and Triton
   gradients are compared with.
 - `recompute_vs_store`: bytes per token a forward would have to keep for the backward against the FLOPs
-  the backward spends recomputing them instead.
+  the backward spends recomputing them instead (`kernel_flops`: the forward's kernels, counted).
 - `outputs_and_grads` / `per_sequence_grads`: the same for one packed variable-length row (`cu_seqlens`) and
   for each of its sequences run alone, to show that packing changes nothing.
 - `backward_memory`: the buffers the Triton backward allocates, kernel after kernel, and its peak; `versus`,
@@ -225,29 +225,49 @@ def kda_chunked_backward(
     )
 
 
+def kernel_flops(K: int, V: int, C: int = 64, sub: int = 16) -> dict[str, float]:
+    """FLOPs per token and value head of the forward's four kernels (`kda_edu.kernels.chunk`), by kernel and
+    phase, 2 FLOPs per multiply-add, as the kernels execute them (whole-block products, zeros included).
+
+    gram: the nb (nb + 1) / 2 blocks (a, c), c <= a, of A and of Aqk, each [sub, K] x [K, sub] (nb = C / sub).
+    inverse: the nb diagonal blocks by forward substitution (sub - 1 row steps, each a [sub, sub] multiply and
+    column sum), then the blocks left of the diagonal: 16 products of [sub, sub] blocks per chunk (for
+    nb = 4: the ten L_ab X_bc and the six X_aa times their sums). wu: w = X (..) and u = X (..) as whole-chunk
+    products, [C, C] x [C, K] and [C, C] x [C, V]. scan: w S, qg S and kd^T U against the [K, V] state, and
+    Aqk U.
+    """
+    nb = C // sub  # blocks of rows per chunk
+    pairs = nb * (nb + 1) // 2
+    assert nb == 4, "the inverse kernel is written for four blocks"
+    return {
+        "gram: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
+        "inverse: diagonal blocks by substitution": nb * (sub - 1) * 2 * sub * sub / C,
+        "inverse: blocks left of the diagonal": 16 * 2 * sub**3 / C,
+        "wu: w, u against X": 2 * C * (K + V),
+        "scan: w S, qg S, kd^T U": 3 * 2 * K * V,
+        "scan: Aqk U": 2 * C * V,
+    }
+
+
+RECOMPUTED = ("gram", "inverse", "wu")  # the kernels the backward runs again: the forward's prepare kernels
+
+
 def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
     """Per token and value head: what a forward would keep for the backward, and what recomputing costs.
 
     The chunk-local intermediates the backward needs are w, qg, kd (K numbers each), u (V), one row of Aqk
     (C) in the input dtype, and one row of X = (I + A)^-1 (C numbers, float32). Recomputing them is the
-    forward's prepare kernel run again with STORE_X, counted as chapter 8 counts the kernels
-    (`kda_edu.chapters.ch08_chunk_kernel.design_flops`): the prepare phases (the 16 x 16 blocks of A and Aqk on and
-    below the diagonal, the four diagonal-block inverses, w and u by block forward substitution) plus the
-    STORE_X pass, the same substitution with the C columns of the identity as right-hand sides. The forward
-    it is compared with is both forward kernels, all of `design_flops`: the scan's products against the
-    state and against U are most of its FLOPs. The inputs the Triton backward saves instead are q, k, v
-    (input dtype), g (float32) and beta (input dtype).
+    forward's three prepare kernels run again (`kda_edu.kernels.chunk.prepare_chunks`, keeping the X buffer
+    the inverse kernel writes anyway), counted by `kernel_flops`: gram, inverse and wu. X costs nothing beyond
+    them. The forward it is compared with is all four kernels: the scan's products against the state and
+    against U are most of its FLOPs. The inputs the Triton backward saves instead are q, k, v (input dtype),
+    g (float32) and beta (input dtype).
 
     Returns:
-        `{"stored": {name: bytes}, "stored_bytes", "saved_input_bytes", "recompute_flops",
+        `{"stored": {name: bytes}, "stored_bytes", "saved_input_bytes", "recompute_flops": {kernel: FLOPs},
         "forward_flops"}`, all per token and head.
     """
-    from kda_edu.chapters.ch08_chunk_kernel import (
-        design_flops,  # here, not at the top: importing it sets up Triton
-    )
-
-    flops = design_flops(K, V, C)
-    per_column = flops["prepare: w, u by block substitution"] / (K + V)  # substitution FLOPs per column
+    flops = kernel_flops(K, V, C)
     stored = {
         "w": K * in_bytes,
         "qg": K * in_bytes,
@@ -256,11 +276,12 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
         "Aqk": C * in_bytes,
         "X (float32)": C * 4,
     }
+    recompute = {kern: sum(f for n, f in flops.items() if n.startswith(kern + ":")) for kern in RECOMPUTED}
     return dict(
         stored=stored,
         stored_bytes=sum(stored.values()),
         saved_input_bytes=(2 * K + V) * in_bytes + 4 * K + in_bytes,
-        recompute_flops=sum(f for name, f in flops.items() if name.startswith("prepare")) + per_column * C,
+        recompute_flops=recompute,
         forward_flops=sum(flops.values()),
     )
 
@@ -334,9 +355,16 @@ def versus_range(ratios, digits: int = 1) -> str:
     return f"{a:.{digits}f}x to {b:.{digits}f}x {word}"
 
 
-FORWARD_KERNELS = ("_chunk_prepare_kernel", "_chunk_scan_kernel")  # kda_edu/kernels/chunk.py
-BACKWARD_KERNELS = (  # kda_edu/kernels/chunk_bwd.py's, in launch order; the first is chunk.py's, with STORE_X
-    "_chunk_prepare_kernel",
+FORWARD_KERNELS = (  # kda_edu/kernels/chunk.py's, in launch order: three prepare kernels, then the scan
+    "_chunk_gram_kernel",
+    "_chunk_inverse_kernel",
+    "_chunk_wu_kernel",
+    "_chunk_scan_kernel",
+)
+BACKWARD_KERNELS = (  # in launch order: chunk.py's three prepare kernels again, then chunk_bwd.py's four
+    "_chunk_gram_kernel",
+    "_chunk_inverse_kernel",
+    "_chunk_wu_kernel",
     "_states_kernel",
     "_dstates_kernel",
     "_local_v_kernel",
@@ -367,9 +395,10 @@ def backward_memory(
     every intermediate has one padded chunk of `chunk` rows per (chunk, value head) and K, V padded to powers
     of two. Alive through the whole backward: the output o (the caller holds it) and the gradients dv, dg and
     dbeta (float32), and dq, dk in float32 until the casts. Then, kernel after kernel: the recomputed
-    intermediates (w, u, qg, kd, Aqk, exp(gc_C) and X = (I + A)^-1, all written by the forward's prepare
-    kernel run with STORE_X); the chunk states S0 and their gradients dS with U and dU; qg and kd are freed
-    after the two passes, dAqk reuses Aqk's buffer, and dgc_end is added. `_local_v_kernel` (5) runs over
+    intermediates (w, u, qg, kd, Aqk, exp(gc_C) and X = (I + A)^-1, all written by the forward's three
+    prepare kernels, `prepare_chunks` with store_x=True, which keeps the X buffer); the chunk states S0 and
+    their gradients dS with U and dU; qg and kd are freed after the two passes, dAqk reuses Aqk's buffer,
+    and dgc_end is added. `_local_v_kernel` (5) runs over
     cdiv(K, lv_block) blocks of key channels, each writing its share of dA ([rows, chunk] float32) and of
     dbeta ([B T HV] float32) beside X. After it X is freed and the dbeta shares are summed and freed; the dA
     shares stay, for `_local_k_kernel` (6) adds them as it loads them. 6 runs over cdiv(K, lk_block) blocks,

@@ -32,8 +32,10 @@ dg is the reverse cumulative sum of dgc within the chunk (the chunk-end terms la
 
 The kernels, in order (all but the two passes are parallel over chunks):
 
-    1-2. chunk.py's `_chunk_prepare_kernel` again, with STORE_X: the forward's intermediates (w, u, qg, kd,
-       Aqk, exp(gc_C)) plus X = (I + A)^-1, one more block substitution with the identity as right-hand side.
+    1-2. chunk.py's three prepare kernels again (`_chunk_gram_kernel`, `_chunk_inverse_kernel`,
+       `_chunk_wu_kernel`), through the forward's own launcher `prepare_chunks` with store_x=True: the forward's
+       intermediates (w, u, qg, kd, Aqk, exp(gc_C)) and X = (I + A)^-1. X costs nothing extra: the inverse
+       kernel forms it in every forward (the w/u kernel multiplies by it); store_x only keeps its buffer.
     3. `_states_kernel`: the forward state pass again, storing each chunk's S0 and U.
     4. `_dstates_kernel`: the backward state pass, storing each chunk's dS and dU; gives dS for h0.
     5. `_local_v_kernel`: everything that sums over the value dimension (products against S0, dS, U, dU, V):
@@ -54,11 +56,12 @@ head) over that sequence's chunks only (per-sequence chunk offsets), starting fr
 pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
 Without cu_seqlens, chunk i_c is chunk i_c % NT of batch row i_c // NT, with no table (IS_VARLEN = False).
 
-What the forward keeps: by default only q, k, v, g, beta, h0 and cu_seqlens (chunk.py's launcher, untouched),
-and the backward recomputes everything else; with `keep_intermediates=True` the forward also keeps its prepare
-kernel's outputs and X (written with STORE_X), and the backward skips 1-2. Recomputing 1-2 costs O(T C K)
-parallel work, about a forward's prepare; storing them costs (3K + V + 2C) numbers per step and head, held
-from the forward to the backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be
+What the forward keeps: by default only q, k, v, g, beta, h0 and cu_seqlens, and the backward recomputes
+everything else; with `keep_intermediates=True` the forward also keeps its prepare kernels' outputs and X (its
+`prepare_chunks` call with store_x=True, the same kernels and launches as the backward's), and the backward
+skips 1-2, with the same gradients bit for bit. Recomputing 1-2 costs O(T C K) parallel work, exactly a
+forward's prepare; storing them costs (3K + V + 2C) numbers per step and head, held from the forward to the
+backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be
 recomputed locally: they are stored for the duration of the backward only, in the 16-bit input dtype
 (float32 for float32 inputs), the precision the forward itself multiplies them in.
 

@@ -77,17 +77,40 @@ def test_block_forward_substitution_gives_w_and_u(inputs):
     assert torch.allclose(wu, torch.cat([ref["w"], ref["u"]], dim=-1), atol=1e-10)
 
 
+@pytest.mark.parametrize("C, block", [(64, 16), (32, 8), (16, 16)])
+def test_block_inverse_is_the_inverse(C, block):
+    gen = torch.Generator().manual_seed(1)
+    L = torch.randn(2, C, C, generator=gen, dtype=torch.float64).tril(-1) * 0.3
+    eye = torch.eye(C, dtype=torch.float64)
+    X = ck.block_inverse(L, block)
+    assert torch.allclose(X, torch.linalg.inv(eye + L), atol=1e-9, rtol=1e-9)
+    assert torch.allclose(X, ck.block_forward_substitution(L, eye.expand_as(L), block), atol=1e-12)
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        ck.block_inverse(L[..., 1:, 1:], block)
+
+
+def test_kernel_stores_the_inverse(inputs):
+    got = ck.prepare(**inputs, store_x=True)
+    ref = ck.reference_intermediates(**inputs)
+    assert got["x"].shape == ref["X"].shape
+    assert rel(got["x"], ref["X"]) <= TOL
+    assert "x" not in ck.prepare(**inputs)
+
+
 def test_counts_at_the_benchmark_shape():
     traffic = ck.design_traffic(128, 128)
-    reads = traffic["prepare reads q, k, v, g, beta"]
-    assert reads + traffic["scan writes o"] == ck.floor_bytes(128, 128) == 1538
-    assert ck.memory_bytes(traffic) == 1538 + 2 * 1160 and traffic[ck.L2_REREAD] == 2 * 128 + 4 * 128
+    once = traffic["gram reads q, k, g, beta"] + 2 * 128 + traffic["scan writes o"]  # + v, read by w/u
+    assert once == ck.floor_bytes(128, 128) == 1538
+    assert traffic["inverse reads L, writes X"] == 4 * (40 + 64)  # 2.5 blocks of 16 columns of L per row
+    assert ck.memory_bytes(traffic) == sum(traffic.values()) == 5460
     assert ck.algorithm_flops(128) == 126_976
     flops = ck.design_flops(128, 128)
     # four diagonal blocks, 15 row steps of a masked 16 x 16 multiply-add each, per 64 tokens
-    assert flops["prepare: diagonal block inverses"] == 4 * 15 * 2 * 16**2 / 64
-    assert flops["prepare: w, u by block substitution"] == 10 * 2 * 16 * 16 * 256 / 64
-    assert sum(flops.values()) == 156_128
+    assert flops["prepare (inverse): diagonal block inverses"] == 4 * 15 * 2 * 16**2 / 64
+    assert ck.inverse_products() == 16
+    assert flops["prepare (inverse): blocks of X left of the diagonal"] == 16 * 2 * 16**3 / 64
+    assert flops["prepare (w/u): X times [K * 2^gc, V]"] == 2 * 64 * 256
+    assert sum(flops.values()) == 170_464
 
 
 def test_benchmark_file_and_crossover():
@@ -123,7 +146,10 @@ def test_hopper_instructions_of_one_product():
     """Offline sm_90 compile: a 64-row tile at 4 warps is a warpgroup product, 16 rows per-warp ones."""
     jobs = [dict(kernel="tile_product", M=m, N=32, K=64, warps=4) for m in (16, 64)]
     jobs.append(dict(kernel="tile_product_tma", M=64, N=32, K=64, warps=4))
-    small, large, tma = ck.hopper_instructions(jobs)
+    jobs += [dict(kernel=name) for name in ("gram", "inverse", "wu")]
+    small, large, tma, gram, inverse, wu = ck.hopper_instructions(jobs)
     assert small["wgmma"] == 0 and small["mma.sync"] > 0
     assert large["wgmma"] > 0 and large["mma.sync"] == 0
     assert large["TMA copies"] == 0 and tma["TMA copies"] > 0
+    assert gram["wgmma"] == inverse["wgmma"] == 0 < min(gram["mma.sync"], inverse["mma.sync"])
+    assert wu["wgmma"] > 0 and wu["mma.sync"] == 0

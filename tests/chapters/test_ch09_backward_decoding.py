@@ -1,7 +1,8 @@
 """Chapter 9's helpers: the time ratios in words (`versus`), the count of the backward's buffers
 (`backward_memory`, held to what `chunk_bwd.chunk_kda_bwd` keeps alive at each of its launches, on a CPU under
 the interpreter), the forward + backward figure, and the per-sequence gradients of a packed row
-(`per_sequence_grads`)."""
+(`per_sequence_grads`), and the kernel names and FLOP counts of the recomputation (`FORWARD_KERNELS`,
+`BACKWARD_KERNELS`, `recompute_vs_store`)."""
 
 import inspect
 import sys
@@ -11,16 +12,44 @@ import pytest
 import torch
 
 from kda_edu.chapters.ch09_backward_decoding import (
+    BACKWARD_KERNELS,
+    FORWARD_KERNELS,
     MEMORY_GROUPS,
     NAMES,
+    RECOMPUTED,
     backward_memory,
+    kernel_flops,
     outputs_and_grads,
     per_sequence_grads,
+    recompute_vs_store,
     versus,
     versus_range,
 )
 from kda_edu.ops.chunkwise import random_inputs
 from kda_edu.ops.kda import kda_recurrent
+
+
+def test_kernel_names_are_the_librarys():
+    """The forward's kernels are chunk.KERNELS in launch order; the backward starts with the three prepare
+    kernels again (the ones `recompute_vs_store` counts) and goes on with chunk_bwd's own four."""
+    from kda_edu.kernels import chunk, chunk_bwd
+
+    assert [getattr(chunk, n) for n in FORWARD_KERNELS] == list(chunk.KERNELS.values())
+    assert list(chunk.KERNELS)[:3] == list(RECOMPUTED) and BACKWARD_KERNELS[:3] == FORWARD_KERNELS[:3]
+    assert all(callable(getattr(chunk_bwd, n)) for n in BACKWARD_KERNELS[3:])
+
+
+def test_recompute_is_the_prepare_kernels():
+    """Recomputing costs the forward minus its scan, between a quarter and a third of it at K = V = 128."""
+    flops = kernel_flops(128, 128)
+    cost = recompute_vs_store(128, 128)
+    scan = sum(f for n, f in flops.items() if n.startswith("scan"))
+    recompute = sum(cost["recompute_flops"].values())
+    assert recompute == cost["forward_flops"] - scan
+    assert 0.25 < recompute / cost["forward_flops"] < 1 / 3
+    # the inverse kernel's blocks left of the diagonal: sum_{c < a} (a - c) products L_ab X_bc, and one X_aa each
+    nb = 4
+    assert sum(a - c for a in range(nb) for c in range(a)) + nb * (nb - 1) // 2 == 16
 
 
 def test_versus_words():

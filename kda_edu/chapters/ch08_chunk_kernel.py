@@ -278,12 +278,12 @@ def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, fl
     nb = C // sub  # blocks of rows per chunk
     pairs = nb * (nb + 1) // 2  # blocks (a, c) with c <= a: A and Aqk each, [sub, K] x [K, sub]
     return {
-        "prepare (gram): A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
+        "gram: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
         # forward substitution: sub - 1 row steps, each a masked [sub, sub] multiply and column sum
-        "prepare (inverse): diagonal block inverses": nb * (sub - 1) * 2 * sub * sub / C,
-        "prepare (inverse): blocks of X left of the diagonal": inverse_products(C, sub) * 2 * sub**3 / C,
+        "inverse: diagonal block inverses": nb * (sub - 1) * 2 * sub * sub / C,
+        "inverse: blocks of X left of the diagonal": inverse_products(C, sub) * 2 * sub**3 / C,
         # X [C, C] against Diag(beta) [K * 2^gc, V]: the whole chunk, zeros above the diagonal included
-        "prepare (w/u): X times [K * 2^gc, V]": 2 * C * (K + V),
+        "wu: X times [K * 2^gc, V]": 2 * C * (K + V),
         "scan: w S, qg S, kd^T U": 3 * 2 * K * V,
         "scan: Aqk U": 2 * C * V,
     }

@@ -6,7 +6,7 @@
 - `input_grads`: autograd's answer for any KDA function, the reference the hand-written and Triton
   gradients are compared with.
 - `recompute_vs_store`: bytes per token a forward would have to keep for the backward against the FLOPs
-  the backward spends recomputing them instead (`kernel_flops`: the forward's kernels, counted).
+  the backward spends recomputing them instead (chapter 8's `design_flops`, by kernel).
 - `outputs_and_grads` / `per_sequence_grads`: the same for one packed variable-length row (`cu_seqlens`) and
   for each of its sequences run alone, to show that packing changes nothing.
 - `backward_memory`: the buffers the Triton backward allocates, kernel after kernel, and its peak; `versus`,
@@ -225,31 +225,8 @@ def kda_chunked_backward(
     )
 
 
-def kernel_flops(K: int, V: int, C: int = 64, sub: int = 16) -> dict[str, float]:
-    """FLOPs per token and value head of the forward's four kernels (`kda_edu.kernels.chunk`), by kernel and
-    phase, 2 FLOPs per multiply-add, as the kernels execute them (whole-block products, zeros included).
-
-    gram: the nb (nb + 1) / 2 blocks (a, c), c <= a, of A and of Aqk, each [sub, K] x [K, sub] (nb = C / sub).
-    inverse: the nb diagonal blocks by forward substitution (sub - 1 row steps, each a [sub, sub] multiply and
-    column sum), then the blocks left of the diagonal: 16 products of [sub, sub] blocks per chunk (for
-    nb = 4: the ten L_ab X_bc and the six X_aa times their sums). wu: w = X (..) and u = X (..) as whole-chunk
-    products, [C, C] x [C, K] and [C, C] x [C, V]. scan: w S, qg S and kd^T U against the [K, V] state, and
-    Aqk U.
-    """
-    nb = C // sub  # blocks of rows per chunk
-    pairs = nb * (nb + 1) // 2
-    assert nb == 4, "the inverse kernel is written for four blocks"
-    return {
-        "gram: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
-        "inverse: diagonal blocks by substitution": nb * (sub - 1) * 2 * sub * sub / C,
-        "inverse: blocks left of the diagonal": 16 * 2 * sub**3 / C,
-        "wu: w, u against X": 2 * C * (K + V),
-        "scan: w S, qg S, kd^T U": 3 * 2 * K * V,
-        "scan: Aqk U": 2 * C * V,
-    }
-
-
 RECOMPUTED = ("gram", "inverse", "wu")  # the kernels the backward runs again: the forward's prepare kernels
+# (chunk.KERNELS' names, which prefix chapter 8's `design_flops` entries)
 
 
 def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
@@ -258,8 +235,9 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
     The chunk-local intermediates the backward needs are w, qg, kd (K numbers each), u (V), one row of Aqk
     (C) in the input dtype, and one row of X = (I + A)^-1 (C numbers, float32). Recomputing them is the
     forward's three prepare kernels run again (`kda_edu.kernels.chunk.prepare_chunks`, keeping the X buffer
-    the inverse kernel writes anyway), counted by `kernel_flops`: gram, inverse and wu. X costs nothing beyond
-    them. The forward it is compared with is all four kernels: the scan's products against the state and
+    the inverse kernel writes anyway), counted as chapter 8 counts the kernels
+    (`kda_edu.chapters.ch08_chunk_kernel.design_flops`, whose entries are named by kernel): gram, inverse and
+    wu. X costs nothing beyond them. The forward it is compared with is all four kernels: the scan's products against the state and
     against U are most of its FLOPs. The inputs the Triton backward saves instead are q, k, v (input dtype),
     g (float32) and beta (input dtype).
 
@@ -267,7 +245,9 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
         `{"stored": {name: bytes}, "stored_bytes", "saved_input_bytes", "recompute_flops": {kernel: FLOPs},
         "forward_flops"}`, all per token and head.
     """
-    flops = kernel_flops(K, V, C)
+    from kda_edu.chapters.ch08_chunk_kernel import design_flops  # here, not at the top: it sets up Triton
+
+    flops = design_flops(K, V, C)
     stored = {
         "w": K * in_bytes,
         "qg": K * in_bytes,

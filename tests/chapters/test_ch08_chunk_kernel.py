@@ -106,10 +106,10 @@ def test_counts_at_the_benchmark_shape():
     assert ck.algorithm_flops(128) == 126_976
     flops = ck.design_flops(128, 128)
     # four diagonal blocks, 15 row steps of a masked 16 x 16 multiply-add each, per 64 tokens
-    assert flops["prepare (inverse): diagonal block inverses"] == 4 * 15 * 2 * 16**2 / 64
+    assert flops["inverse: diagonal block inverses"] == 4 * 15 * 2 * 16**2 / 64
     assert ck.inverse_products() == 16
-    assert flops["prepare (inverse): blocks of X left of the diagonal"] == 16 * 2 * 16**3 / 64
-    assert flops["prepare (w/u): X times [K * 2^gc, V]"] == 2 * 64 * 256
+    assert flops["inverse: blocks of X left of the diagonal"] == 16 * 2 * 16**3 / 64
+    assert flops["wu: X times [K * 2^gc, V]"] == 2 * 64 * 256
     assert sum(flops.values()) == 170_464
 
 

@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
+from kda_edu.chapters.ch08_chunk_kernel import design_flops
 from kda_edu.chapters.ch09_backward_decoding import (
     BACKWARD_KERNELS,
     FORWARD_KERNELS,
@@ -18,7 +19,6 @@ from kda_edu.chapters.ch09_backward_decoding import (
     NAMES,
     RECOMPUTED,
     backward_memory,
-    kernel_flops,
     outputs_and_grads,
     per_sequence_grads,
     recompute_vs_store,
@@ -41,7 +41,7 @@ def test_kernel_names_are_the_librarys():
 
 def test_recompute_is_the_prepare_kernels():
     """Recomputing costs the forward minus its scan, between a quarter and a third of it at K = V = 128."""
-    flops = kernel_flops(128, 128)
+    flops = design_flops(128, 128)
     cost = recompute_vs_store(128, 128)
     scan = sum(f for n, f in flops.items() if n.startswith("scan"))
     recompute = sum(cost["recompute_flops"].values())

@@ -303,8 +303,12 @@ def _chunk_gram_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """`_chunk_gram_kernel`'s outputs with one program per (chunk, value head): all ten blocks of A and Aqk at
-    once (twenty accumulators), each key block loaded once per step."""
+    """One program per (chunk, value head): the chunk's ten 16 x 16 blocks of A and Aqk on and below the
+    diagonal (twenty accumulators), KC key columns at a time, each key block loaded once per step, and qg.
+    Writes qg, Aqk whole and L = Diag(beta) A into lmat (`_store_l_aqk`). Block (a, c < a) is anchored at the
+    end boundary of block c (`_pair`, both exponents <= 0), the diagonal blocks at their middle row or in
+    the exact pairwise form (`_diag_grams`). One program per 16-row block instead held fewer accumulators
+    but reloaded every earlier block, and was slower (bench/NOTES.md, session 15)."""
     i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
@@ -461,8 +465,9 @@ def _chunk_wu_kernel(
     2^gc_C. gc is the gate cumsum from the chunk's start; gc_C - gc_j is summed from the gates after j (a
     reverse cumsum: after a reset, gc_C and gc_j are both near -151 and their difference keeps ~1e-5 of its
     value), except with KD_TOTAL (16-bit intermediates, whose own rounding is far larger), which takes that
-    difference and saves a second gate load and scan. Rows with a NaN or inf in k, v or beta, or a NaN or +inf gate, run with zeros
-    there and are written into u as NaN (the scan spoils the outputs from the first such row on)."""
+    difference and saves a second gate load and scan. Rows with a NaN or inf in k, v or beta, or a NaN or
+    +inf gate, run with zeros there and are written into u as NaN (the scan spoils the outputs from the
+    first such row on)."""
     i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
@@ -520,7 +525,7 @@ def _chunk_scan_kernel(
     qg,
     kd,
     aqk,
-    gl,  # from the two kernels above
+    gl,  # from the prepare kernels above
     o,
     h0,
     ht,  # output [B, T, HV, V]; initial / final state [N, HV, K, V] float32

@@ -100,12 +100,15 @@ def make_inputs(B, T, H, D, device, dtype):
     )
 
 
-def methods(x: dict, backward: bool) -> dict:
-    """name -> a callable running one forward (or forward + backward) on the inputs `x`."""
+def methods(x: dict, backward: bool, which=("kda_edu", "fla")) -> dict:
+    """name -> a callable running one forward (or forward + backward) on the inputs `x`, for the names in
+    `which` (fla only where it imports and the inputs are on a GPU)."""
     from kda_edu.kernels import chunk_kda
 
     fns = {"kda_edu": lambda: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)}
-    if x["q"].is_cuda:
+    if "kda_edu" not in which:
+        fns = {}
+    if x["q"].is_cuda and "fla" in which:
         try:
             from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -141,6 +144,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (interpreter), no profiler")
     ap.add_argument("--summarize", type=str, default=None, help="read an ncu raw CSV and write --out")
     ap.add_argument("--out", type=str, default=None)
+    ap.add_argument(
+        "--methods", type=str, default="kda_edu,fla", help="comma-separated: kda_edu, fla (fla's profile is "
+        "bench/results/h200_ncu_profile.json; leaving it out skips its 80-95 s autotune)"
+    )
     args = ap.parse_args()
     if args.summarize:
         with open(args.summarize) as f:
@@ -159,7 +166,7 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     x = make_inputs(B, T, H, 32 if args.smoke else args.head_dim, device, dtype)
-    fns = methods(x, args.backward)
+    fns = methods(x, args.backward, tuple(args.methods.split(",")))
     for fn in fns.values():  # autotuning and compilation, outside the profiled range
         for _ in range(1 if args.smoke else args.warmup):
             fn()

@@ -145,8 +145,11 @@ def main() -> None:
     ap.add_argument("--summarize", type=str, default=None, help="read an ncu raw CSV and write --out")
     ap.add_argument("--out", type=str, default=None)
     ap.add_argument(
-        "--methods", type=str, default="kda_edu,fla", help="comma-separated: kda_edu, fla (fla's profile is "
-        "bench/results/h200_ncu_profile.json; leaving it out skips its 80-95 s autotune)"
+        "--methods",
+        type=str,
+        default="kda_edu,fla",
+        help="comma-separated: kda_edu, fla (fla's profile is "
+        "bench/results/h200_ncu_profile.json; leaving it out skips its 80-95 s autotune)",
     )
     args = ap.parse_args()
     if args.summarize:

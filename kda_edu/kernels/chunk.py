@@ -207,11 +207,12 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @jit
-def _diag_grams(k_a, q_a, gc_a, mid, span, BC: tl.constexpr, PREC: tl.constexpr):
+def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
     """The 16 x 16 diagonal blocks of the two gated Gram matrices of one block of rows, together:
     Mk_ij = sum_c k_ic k_jc 2^(gc_ic - gc_jc) and Mq_ij = sum_c q_ic k_jc 2^(gc_ic - gc_jc) (entries j > i are
-    junk). Anchored at the block's middle row (mid, the cumsum there) when its half-block gate sums allow it
-    (span, `diag_span`), else the exact pairwise form."""
+    junk). Anchored at the block's middle row when its half-block gate sums allow it (`diag_span`), else the
+    exact pairwise form."""
+    mid, span = diag_span(gc_a, BC)
     if span <= DIAG_LIMIT:
         col = tl.trans(k_a * tl.exp2(mid[None, :] - gc_a))
         row_f = tl.exp2(gc_a - mid[None, :])
@@ -272,54 +273,6 @@ def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
 
 
 @jit
-def _key_blocks_pre(k_h, lbuf, row0, cols, H, K, n_t, BC: tl.constexpr, BK: tl.constexpr):
-    """`_key_blocks` from the gate kernel's cumsums (`_chunk_gate_kernel`): the keys are loaded and cleaned as
-    there, the within-block cumsums l_a and the block sums s_a (row BC - 1 of l_a) are loaded, not computed."""
-    rc = tl.arange(0, BC)
-    k0, _ = _clean(load_rows(k_h, rc, H * K, cols, K, n_t).to(tl.float32))
-    k1, _ = _clean(load_rows(k_h, BC + rc, H * K, cols, K, n_t).to(tl.float32))
-    k2, _ = _clean(load_rows(k_h, 2 * BC + rc, H * K, cols, K, n_t).to(tl.float32))
-    k3, _ = _clean(load_rows(k_h, 3 * BC + rc, H * K, cols, K, n_t).to(tl.float32))
-    l0, l1 = _load_gate_rows(lbuf, row0, rc, cols, BK), _load_gate_rows(lbuf, row0, BC + rc, cols, BK)
-    l2, l3 = (
-        _load_gate_rows(lbuf, row0, 2 * BC + rc, cols, BK),
-        _load_gate_rows(lbuf, row0, 3 * BC + rc, cols, BK),
-    )
-    s0 = tl.load(lbuf + (row0 + BC - 1) * BK + cols)[None, :]
-    s1 = tl.load(lbuf + (row0 + 2 * BC - 1) * BK + cols)[None, :]
-    s2 = tl.load(lbuf + (row0 + 3 * BC - 1) * BK + cols)[None, :]
-    c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
-    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2
-
-
-@jit
-def _load_gate_rows(lbuf, row0, t, cols, BK: tl.constexpr):
-    """Rows t (chunk-local) of the gate kernel's within-block cumsums, key columns `cols`."""
-    return tl.load(lbuf + (row0 + t).to(tl.int64)[:, None] * BK + cols[None, :])
-
-
-@jit(do_not_specialize=["NT"])
-def _chunk_gate_kernel(
-    g, lbuf, span, chunks, T, H, HV, K, NT, NCH,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-):  # fmt: skip
-    """One program per (chunk, value head), for the gram kernel with PRE_GATES: the base-2 gate cumsum within
-    each 16-row block, l (float32, what `_key_block` computes: NaN and +inf gates as 0, rows past the
-    sequence's end as 0), for every key column, into lbuf [HV, NCH * BT, BK]; and each block's largest
-    half-block gate sum over the columns (`diag_span`) into span [HV * NCH, BT // BC]."""
-    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
-    g_h = g + t0 * HV * K + i_hv * K
-    rc = tl.arange(0, BC)
-    cols = tl.arange(0, BK)
-    for a in tl.static_range(BT // BC):
-        x = load_rows(g_h, a * BC + rc, HV * K, cols, K, n_t).to(tl.float32)
-        l_a = tl.cumsum(tl.where(x < float("inf"), base2_gates(x), 0.0), axis=0)
-        _store_block(lbuf, row0, a, BC, BK, cols, l_a)
-        _, s = diag_span(l_a, BC)
-        tl.store(span + row0 // BT * (BT // BC) + a, s)
-
-
-@jit
 def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, A_ROW: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
     """Row block A_ROW of L = Diag(beta) A and of Aqk: ad / qd the diagonal block, a1.. / q1.. the blocks
@@ -346,9 +299,9 @@ def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, 
 
 @jit(do_not_specialize=["NT"])
 def _chunk_gram_kernel(
-    q, k, g, beta, qg, aqk, lmat, lbuf, span, chunks, T, H, HV, K, NT, NCH, scale,
+    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRE_GATES: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One program per (chunk, value head): the chunk's ten 16 x 16 blocks of A and Aqk on and below the
     diagonal (twenty accumulators), KC key columns at a time, each key block loaded once per step, and qg.
@@ -367,27 +320,11 @@ def _chunk_gram_kernel(
     a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
     q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
     a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
-    if PRE_GATES:  # the four blocks' spans over all key columns, from the gate kernel
-        sp = span + row0 // BT * (BT // BC)
-        sp0, sp1, sp2, sp3 = tl.load(sp), tl.load(sp + 1), tl.load(sp + 2), tl.load(sp + 3)
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        if PRE_GATES:
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks_pre(
-                k_h, lbuf, row0, cols, H, K, n_t, BC, BK
-            )
-            m0 = tl.load(lbuf + (row0 + BC // 2) * BK + cols)
-            m1 = tl.load(lbuf + (row0 + BC + BC // 2) * BK + cols)
-            m2 = tl.load(lbuf + (row0 + 2 * BC + BC // 2) * BK + cols)
-            m3 = tl.load(lbuf + (row0 + 3 * BC + BC // 2) * BK + cols)
-        else:
-            k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
-                k_h, g_h, cols, H, HV, K, n_t, BC
-            )
-            m0, sp0 = diag_span(l0, BC)
-            m1, sp1 = diag_span(l1, BC)
-            m2, sp2 = diag_span(l2, BC)
-            m3, sp3 = diag_span(l3, BC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
+        )
         q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
         q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
         x, y = _pair(k1, q1, l1, c0, PREC)
@@ -404,13 +341,13 @@ def _chunk_gram_kernel(
         a31, q31 = a31 + x, q31 + y
         x, y = _pair(k3, q3, l3, c2, PREC)
         a32, q32 = a32 + x, q32 + y
-        x, y = _diag_grams(k0, q0, l0, m0, sp0, BC, PREC)
+        x, y = _diag_grams(k0, q0, l0, BC, PREC)
         a00, q00 = a00 + x, q00 + y
-        x, y = _diag_grams(k1, q1, l1, m1, sp1, BC, PREC)
+        x, y = _diag_grams(k1, q1, l1, BC, PREC)
         a11, q11 = a11 + x, q11 + y
-        x, y = _diag_grams(k2, q2, l2, m2, sp2, BC, PREC)
+        x, y = _diag_grams(k2, q2, l2, BC, PREC)
         a22, q22 = a22 + x, q22 + y
-        x, y = _diag_grams(k3, q3, l3, m3, sp3, BC, PREC)
+        x, y = _diag_grams(k3, q3, l3, BC, PREC)
         a33, q33 = a33 + x, q33 + y
         _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
         _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
@@ -818,7 +755,6 @@ def prepare_chunks(
     store_x=False,
     kc=None,
     warps=(4, 1, 4),
-    gate_pass=False,
 ):
     """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
     backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
@@ -853,18 +789,10 @@ def prepare_chunks(
     w, u, qg, kd, aqk, gl, x = buffers.values()
     varlen = chunks is not None
     low = "bf16" if idt != torch.float32 else prec  # the gram kernel's products (see the module docstring)
-    kernels = {}
-    lbuf, span = x, x  # not read without the gate kernel
-    if gate_pass:
-        lbuf = torch.empty(rows, BK, **f32)
-        span = torch.empty(HV * NCH * (BT // SUB), **f32)
-        kernels["gate"] = _chunk_gate_kernel[(NCH, HV)](
-            g, lbuf, span, chunks, T, H, HV, K, NT, NCH, BT=BT, BC=SUB, BK=BK, IS_VARLEN=varlen, num_warps=4
-        )
-    kernels.update(
+    kernels = dict(
         gram=_chunk_gram_kernel[(NCH, HV)](
-            q, k, g, beta, qg, aqk, x, lbuf, span, chunks, T, H, HV, K, NT, NCH, scale,
-            BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, PRE_GATES=gate_pass, num_warps=warps[0],
+            q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale,
+            BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
         ),
         inverse=_chunk_inverse_kernel[(NCH, HV)](x, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
         wu=_chunk_wu_kernel[(NCH, HV)](
@@ -873,7 +801,6 @@ def prepare_chunks(
             IS_VARLEN=varlen, num_warps=warps[2],
         ),
     )  # fmt: skip
-    del lbuf, span
     if not store_x:
         buffers["x"] = None
     return buffers, kernels
@@ -892,7 +819,6 @@ KERNELS = {
 def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
     bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
-    gate_pass=False,
 ):  # fmt: skip
     """Launch the four kernels on validated inputs.
 
@@ -917,17 +843,7 @@ def chunk_kda_fwd(
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     buffers, kernels = prepare_chunks(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        layout,
-        store_x=keep is not None,
-        kc=kc,
-        warps=warps_prepare,
-        gate_pass=gate_pass,
+        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare
     )
     if keep is not None:
         keep.update(buffers)

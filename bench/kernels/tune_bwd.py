@@ -25,6 +25,12 @@ def main():
     ap.add_argument("--out", default="tune_bwd.json")
     ap.add_argument("--shape", type=int, nargs=3, default=[1, 8192, 32])
     ap.add_argument("--minutes", type=float, default=None, help="start no new variant after this long")
+    ap.add_argument(
+        "--knobs",
+        type=str,
+        default=None,
+        help="a JSON list of knob dicts to time instead of the sweep, e.g. '[{}, {\"lk_block\": 64}]'",
+    )
     args = ap.parse_args()
     x, do = make_inputs(*args.shape)
     rows = []
@@ -58,6 +64,8 @@ def main():
     knobs += [dict(lk_stages=s) for s in (1, 2, 4)]
     knobs += [dict(lv_block=b, lv_warps=w) for b, w in ((32, 4), (32, 8), (64, 4), (128, 8), (128, 4))]
     knobs += [{}]
+    if args.knobs is not None:
+        knobs = json.loads(args.knobs)
     for kw in knobs:
         if args.minutes is not None and clock.perf_counter() - start > 60 * args.minutes:
             print("out of time", flush=True)

@@ -363,7 +363,7 @@ def _local_k_kernel(
     chunks,  # varlen only: the chunk table
     T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NKB: tl.constexpr, RMW: tl.constexpr = False,
 ):  # fmt: skip
     """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
     Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
@@ -386,6 +386,11 @@ def _local_k_kernel(
     c = (i_hv * NCH + i_c).to(tl.int64)
 
     k_all = load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
+    k_off = t0 * HV * K + i_hv * K
+    kt = rows[:, None] * HV * K + ck[None, :]
+    km = (rows[:, None] < n_t) & (ck[None, :] < K)
+    dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
+    db_p = dbeta_part + i_k * part_stride + (t0 + rows) * HV + i_hv
 
     acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
     acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
@@ -419,30 +424,46 @@ def _local_k_kernel(
         da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
         da_kk += da_d
         da_qk += dq_d
-        acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
-        acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
-        acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
-        acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
+        if RMW:  # block a's row-side terms go to memory at once: dq is finished, dk and dgc are added to
+            o_a = k_off + ta[:, None] * HV * K + ck[None, :]
+            m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
+            dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * da_qk
+            tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
+            dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a
+            tl.store(dk + o_a, dk_a, mask=m_a)
+            dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
+            tl.store(dgc + o_a, dg_a, mask=m_a)
+            tl.store(
+                dbeta_part + i_k * part_stride + (t0 + ta) * HV + i_hv,
+                tl.sum(k_a * da_kk, axis=1),
+                mask=ta < n_t,
+            )
+        else:
+            acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
+            acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
+            acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
+            acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
         # Rows before block a take its gate sum; block a's rows the gates after them within the block.
         g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
         after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
         col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
         col_x += _rows_of_block(after_a, a, NB, BC, BK)
 
-    k_off = t0 * HV * K + i_hv * K
-    kt = rows[:, None] * HV * K + ck[None, :]
-    km = (rows[:, None] < n_t) & (ck[None, :] < K)
-    dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
-    dq_new = tl.load(dq_p, mask=km, other=0.0) + acc_dq
-    dk_new = tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all
-    tl.store(dq_out + k_off + kt, dq_new.to(dq_out.dtype.element_ty), mask=km)
+    if RMW:
+        tl.debug_barrier()  # the blocks' stores into dk and dgc are seen by every thread below
+        dk_new = tl.load(dk_p, mask=km, other=0.0) + db_all
+    else:
+        dq_new = tl.load(dq_p, mask=km, other=0.0) + acc_dq
+        tl.store(dq_out + k_off + kt, dq_new.to(dq_out.dtype.element_ty), mask=km)
+        dk_new = tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all
+        tl.store(db_p, acc_db, mask=rows < n_t)
     tl.store(dk_out + k_off + kt, dk_new.to(dk_out.dtype.element_ty), mask=km)
-    db_p = dbeta_part + i_k * part_stride + (t0 + rows) * HV + i_hv
-    tl.store(db_p, acc_db, mask=rows < n_t)
     # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
     # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
     end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
-    d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
+    d = tl.load(dg_p, mask=km, other=0.0) - k_all * db_all
+    if not RMW:
+        d += acc_dgc
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.cumsum(d, axis=0, reverse=True)
     # A gate below GATE_FLOOR was raised to it (`base2_gates`): the output does not depend on it, dg = 0.
@@ -452,7 +473,7 @@ def _local_k_kernel(
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
-    lk_stages=None, kept=None,
+    lk_stages=None, kept=None, lk_rmw=False,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
@@ -545,7 +566,7 @@ def chunk_kda_bwd(
     _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
         q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
         chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
-        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, RMW=lk_rmw, num_warps=lk_warps,
         **({} if lk_stages is None else dict(num_stages=lk_stages)),
     )  # fmt: skip
     del dq, dk, dA_part

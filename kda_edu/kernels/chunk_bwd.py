@@ -354,6 +354,61 @@ def _sum_shares(p, offs, stride, N: tl.constexpr):
     return x
 
 
+@jit
+def _local_k_block(
+    a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
+    c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Row block a of `_local_k_kernel` (RMW form): its row-side terms go to memory at once (dq finished, dk
+    and dgc added to, its share of dbeta); returns the column-side db_all and col_x carried to the next block.
+    The columns before the block are skipped for a = 0 (there are none)."""
+    NB: tl.constexpr = BT // BC
+    rows = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    ta = a * BC + rc
+    k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
+    bk_a = beta_a[:, None] * k_a
+    m_rows = (c * BT + a * BC + rc)[:, None] * BT
+    before = (rows < a * BC)[:, None]
+    da_kk = tl.zeros([BC, BK], dtype=tl.float32)
+    da_qk = tl.zeros([BC, BK], dtype=tl.float32)
+    if a > 0:  # columns before the block, anchored at its start boundary
+        dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
+        dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
+        row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
+        col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
+        k_col = k_all * col_f
+        da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
+        da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
+        db_all += col_f * (
+            tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
+            + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
+        )
+    dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
+    dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
+    da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
+    da_kk += da_d
+    da_qk += dq_d
+    o_a = k_off + ta[:, None] * HV * K + ck[None, :]
+    m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
+    dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * da_qk
+    tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
+    dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a
+    tl.store(dk + o_a, dk_a, mask=m_a)
+    dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
+    tl.store(dgc + o_a, dg_a, mask=m_a)
+    tl.store(
+        dbeta_part + i_k * part_stride + (t0 + ta) * HV + i_hv, tl.sum(k_a * da_kk, axis=1), mask=ta < n_t
+    )
+    # Rows before block a take its gate sum; block a's rows the gates after them within the block.
+    g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
+    after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
+    col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
+    col_x += _rows_of_block(after_a, a, NB, BC, BK)
+    return db_all, col_x
+
+
 @jit(do_not_specialize=["NT"])
 def _local_k_kernel(
     q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
@@ -363,7 +418,7 @@ def _local_k_kernel(
     chunks,  # varlen only: the chunk table
     T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NKB: tl.constexpr, RMW: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, NKB: tl.constexpr, RMW: tl.constexpr = False, UNROLL: tl.constexpr = False,
 ):  # fmt: skip
     """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
     Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
@@ -401,53 +456,54 @@ def _local_k_kernel(
     # cumsums, which after a reset of -1000 would both be ~-1440 and carry ~1e-4 of an exponent in rounding).
     # col_x: for the rows j before block a, the gates after j up to block a's start (built block by block).
     col_x = tl.zeros([BT, BK], dtype=tl.float32)
-    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
-        ta = a * BC + rc
-        k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
-        bk_a = beta_a[:, None] * k_a
-        m_rows = (c * BT + a * BC + rc)[:, None] * BT
-        # Columns before the block, anchored at its start boundary (all zero for a = 0).
-        dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
-        dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
-        row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
-        before = (rows < a * BC)[:, None]
-        col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
-        k_col = k_all * col_f
-        da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
-        da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
-        db_all += col_f * (
-            tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
-            + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
-        )
-        dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
-        dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
-        da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
-        da_kk += da_d
-        da_qk += dq_d
-        if RMW:  # block a's row-side terms go to memory at once: dq is finished, dk and dgc are added to
-            o_a = k_off + ta[:, None] * HV * K + ck[None, :]
-            m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
-            dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * da_qk
-            tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
-            dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a
-            tl.store(dk + o_a, dk_a, mask=m_a)
-            dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
-            tl.store(dgc + o_a, dg_a, mask=m_a)
-            tl.store(
-                dbeta_part + i_k * part_stride + (t0 + ta) * HV + i_hv,
-                tl.sum(k_a * da_kk, axis=1),
-                mask=ta < n_t,
-            )
+    if RMW:
+        if UNROLL:
+            for a in tl.static_range(NB):
+                db_all, col_x = _local_k_block(
+                    a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
+                    c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
+                    BT, BC, BK, NKB, PREC,
+                )  # fmt: skip
         else:
+            for a in range(NB):
+                db_all, col_x = _local_k_block(
+                    a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
+                    c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
+                    BT, BC, BK, NKB, PREC,
+                )  # fmt: skip
+    else:
+        for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
+            ta = a * BC + rc
+            k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
+            bk_a = beta_a[:, None] * k_a
+            m_rows = (c * BT + a * BC + rc)[:, None] * BT
+            # Columns before the block, anchored at its start boundary (all zero for a = 0).
+            dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
+            dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
+            row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
+            before = (rows < a * BC)[:, None]
+            col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
+            k_col = k_all * col_f
+            da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
+            da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
+            db_all += col_f * (
+                tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
+                + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
+            )
+            dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
+            dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
+            da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
+            da_kk += da_d
+            da_qk += dq_d
             acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
             acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
             acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
             acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
-        # Rows before block a take its gate sum; block a's rows the gates after them within the block.
-        g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
-        after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
-        col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
-        col_x += _rows_of_block(after_a, a, NB, BC, BK)
+            # Rows before block a take its gate sum; block a's rows the gates after them within the block.
+            g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
+            after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
+            col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
+            col_x += _rows_of_block(after_a, a, NB, BC, BK)
 
     if RMW:
         tl.debug_barrier()  # the blocks' stores into dk and dgc are seen by every thread below
@@ -473,7 +529,7 @@ def _local_k_kernel(
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
-    lk_stages=None, kept=None, lk_rmw=False,
+    lk_stages=None, kept=None, lk_rmw=False, lk_unroll=False,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
@@ -566,7 +622,8 @@ def chunk_kda_bwd(
     _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
         q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
         chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
-        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, RMW=lk_rmw, num_warps=lk_warps,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, RMW=lk_rmw, UNROLL=lk_unroll,
+        num_warps=lk_warps,
         **({} if lk_stages is None else dict(num_stages=lk_stages)),
     )  # fmt: skip
     del dq, dk, dA_part

@@ -24,6 +24,13 @@ WITHIN each 16-row block and s_b = l at the last row of block b (the block's gat
     or exact pairwise form, as the current kernel), placed into the 64 x 64 accumulators.
 
 Check (Triton's interpreter, float32): `python bench/experiments/gram64.py` (the `__main__` below).
+
+Compiled offline for sm_90a (Triton 3.9 and its ptxas 13.4 on a CPU machine; bf16 inputs, K = V = 128, PREC
+"bf16", KC = 32, 4 warps, default stages), against `_chunk_gram_kernel` under the same settings: both at 255
+registers; spill stores / loads 624 / 748 bytes against 852 / 656; shared memory 28 KiB against 19 KiB;
+PTX wgmma 16 (the eight products of the hot path, two k16 steps each) and mma.sync 32 (the fallback's
+16 x 16 products only) against 0 and 80. The fallback costs registers even when it never runs: without it
+the same kernel spills 180 bytes, and with KC = 16 it spills 8 bytes (none without the fallback).
 """
 
 import torch
@@ -53,9 +60,11 @@ from kda_edu.kernels.chunk import (
     work_precision,
 )
 
-# How the within-block cumsum is formed: "scan", one segmented associative scan over the 64 rows (stays in the
-# tile's layout); "reshape", a cumsum over the middle axis of the tile seen as [4, 16, KC].
-BLOCK_CUMSUM = tl.constexpr("scan")
+# How the within-block cumsum is formed: "reshape", a cumsum over the middle axis of the tile seen as
+# [4, 16, KC]; "scan", one segmented associative scan down the 64 rows. Same results; compiled for sm_90 (bf16,
+# K = 128, KC = 32, 4 warps) "reshape" has 255 ld.shared in its PTX against 321, and 28 KiB of shared memory
+# against 32 KiB.
+BLOCK_CUMSUM = tl.constexpr("reshape")
 
 
 @jit
@@ -107,7 +116,8 @@ def _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC: tl.constexpr,
     half-block gate sum is too large), placed into [4 BC, 4 BC] tiles, zeros off the diagonal blocks.
     Runs only for steps whose gates are below about -8.3 per step, or which hold a reset."""
     rc = tl.arange(0, BC)
-    a_id = tl.arange(0, 4)[:, None, None, None]  # the tiles seen as [4, BC, 4, BC]: (row block, row, col block, col)
+    # The 64 x 64 tiles seen as [4, BC, 4, BC]: (row block, row, column block, column).
+    a_id = tl.arange(0, 4)[:, None, None, None]
     c_id = tl.arange(0, 4)[None, None, :, None]
     Dk = tl.zeros([4, BC, 4, BC], dtype=tl.float32)
     Dq = tl.zeros([4, BC, 4, BC], dtype=tl.float32)
@@ -286,7 +296,7 @@ def _rel(x, ref):
 
 def _check(name, inputs, cu_seqlens=None, loop=True, nan_at=None, tol=1e-5):
     """Run both forwards (and their prepare buffers) on `inputs`; print and assert the differences."""
-    from kda_edu.kernels.chunk import chunk_kda_fwd, chunk_layout, prepare_chunks
+    from kda_edu.kernels.chunk import _chunk_gram_kernel, chunk_kda_fwd, prepare_chunks
     from kda_edu.ops.kda import kda_recurrent
 
     q, k, v, g, beta = inputs
@@ -295,6 +305,9 @@ def _check(name, inputs, cu_seqlens=None, loop=True, nan_at=None, tol=1e-5):
     o64, s64 = chunk_kda_fwd64(q, k, v, g, beta, scale, None, True, cu_seqlens)
     o, s = chunk_kda_fwd(q, k, v, g, beta, scale, None, True, cu_seqlens)
     line = f"{name:34s}"
+    if cu_seqlens is None:
+        n_exact, n_steps = _fallback_steps(g)
+        line += f" [exact diagonal in {n_exact}/{n_steps} steps]"
     if nan_at is None:
         assert torch.isfinite(o64).all() and torch.isfinite(s64).all(), name
         line += f" vs chunk_kda_fwd: o {_rel(o64, o):.2e} state {_rel(s64, s):.2e}"
@@ -308,14 +321,21 @@ def _check(name, inputs, cu_seqlens=None, loop=True, nan_at=None, tol=1e-5):
         ref_o, ref_s = kda_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(), scale,
                                      output_final_state=True)  # fmt: skip
         errs += [_rel(o64, ref_o), _rel(s64, ref_s)]
-        line += f" | vs float64 loop: o {errs[-2]:.2e} state {errs[-1]:.2e} (chunk_kda_fwd {_rel(o, ref_o):.2e})"
-    # The raw prepare buffers: qg and Aqk, and X = (I + L)^-1 (store_x), over the rows of real chunks.
+        line += f" | vs float64 loop: o {errs[-2]:.2e} state {errs[-1]:.2e}"
+        line += f" (chunk_kda_fwd {_rel(o, ref_o):.2e})"
+    # The raw prepare buffers over the rows of real steps: qg, Aqk, X = (I + L)^-1 (store_x), w and u; and L
+    # itself from the two gram kernels launched alone (below the diagonal; the new one writes zeros elsewhere).
     layout = chunk_layout(T, B, cu_seqlens)
     cont = [x.contiguous() for x in (q, k, v, g, beta)]
     b64, _ = prepare_chunks64(*cont, scale, layout, store_x=True)
     b, _ = prepare_chunks(*cont, scale, layout, store_x=True)
     valid = _valid_rows(T, B, v.shape[2], layout, cu_seqlens)
-    for key in ("qg", "aqk", "x", "w", "u"):
+    below = torch.arange(CHUNK)[None, :] < (torch.arange(valid.numel()) % CHUNK)[:, None]
+    b64["L"] = _gram_alone(_chunk_gram64_kernel, *cont, scale, layout)
+    b["L"] = _gram_alone(_chunk_gram_kernel, *cont, scale, layout)
+    assert not b64["L"][~below].any(), name
+    b64["L"], b["L"] = b64["L"] * below, b["L"] * below
+    for key in ("qg", "aqk", "L", "x", "w", "u"):
         x64, x = b64[key][valid], b[key][valid]
         ok = torch.isfinite(x)
         assert torch.equal(ok, torch.isfinite(x64)), (name, key)
@@ -324,6 +344,38 @@ def _check(name, inputs, cu_seqlens=None, loop=True, nan_at=None, tol=1e-5):
         line += f" | {key} {e:.1e}"
     print(line)
     assert max(errs) < tol, (name, errs)
+
+
+def _gram_alone(kernel, q, k, v, g, beta, scale, layout, kc=32):
+    """L = Diag(beta) A as `kernel` (a gram kernel, launched as `prepare_chunks` launches it) writes it into a
+    zeroed float32 buffer [HV * NCH * CHUNK, CHUNK]."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    NT, NCH, chunks, _ = layout
+    BK, rows = pow2(K), HV * NCH * CHUNK
+    qg, aqk, lmat = torch.zeros(rows, BK), torch.zeros(rows, CHUNK), torch.zeros(rows, CHUNK)
+    kernel[(NCH, HV)](
+        q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale,
+        BT=CHUNK, BC=SUB, BK=BK, KC=min(kc, BK), PREC="ieee", IS_VARLEN=chunks is not None, num_warps=4,
+    )  # fmt: skip
+    return lmat
+
+
+def _fallback_steps(g, kc=32):
+    """(steps taking the exact diagonal path, all steps): the (chunk, head, KC-column) steps in which some
+    16-row block's largest |l_i - l_middle| passes DIAG_LIMIT (computed here in float64, from the gates the
+    kernel loads: floored at GATE_FLOOR, NaN and +inf as 0, base 2)."""
+    from kda_edu.ops._checks import GATE_FLOOR
+
+    B, T, HV, K = g.shape
+    NT, BK = -(-T // CHUNK), pow2(K)
+    x = g.double().clamp(min=GATE_FLOOR[torch.float32]) * 1.4426950408889634
+    x = torch.where(g < float("inf"), x, 0.0)
+    x = torch.nn.functional.pad(x, (0, BK - K, 0, 0, 0, NT * CHUNK - T))
+    l = x.reshape(B, NT, 4, SUB, HV, BK).cumsum(3)
+    span = (l - l[:, :, :, SUB // 2 : SUB // 2 + 1]).abs()
+    span = span.reshape(B, NT, 4 * SUB, HV, BK // min(kc, BK), min(kc, BK)).amax(dim=(2, 5))
+    return int((span > DIAG_LIMIT.value).sum()), span.numel()
 
 
 def _valid_rows(T, B, HV, layout, cu_seqlens):
@@ -338,12 +390,20 @@ def _valid_rows(T, B, HV, layout, cu_seqlens):
 
 
 def main():
-    torch.set_default_dtype(torch.float32)
+    """The checks of the brief (module docstring), under Triton's interpreter in float32."""
+    import numpy
+
+    # The anchored diagonal products overflow to inf in their discarded entries (above the diagonal within a
+    # block, and the off-diagonal blocks of the 64 x 64 product), in chunk.py's kernel too: numpy would warn.
+    numpy.seterr(over="ignore", invalid="ignore")
     _check("mild gates (1,130,2,2,32,16)", _inputs(1, 130, 2, 2, 32, 16, -0.5))
     _check("strong gates (1,130,2,4,32,48)", _inputs(1, 130, 2, 4, 32, 48, -12.0, seed=1))
     q, k, v, g, beta = _inputs(2, 100, 1, 1, 64, 32, -1.0, seed=2)
     g[:, ::7] = float("-inf")
     _check("resets every 7 (2,100,1,1,64,32)", (q, k, v, g, beta))
+    q, k, v, g, beta = _inputs(1, 150, 1, 2, 64, 32, -0.5, seed=8)
+    g[..., 32:] *= 24.0  # columns 32..63 at -12 * rand: the second KC step of a chunk takes the exact path
+    _check("mixed steps (1,150,1,2,64,32)", (q, k, v, g, beta))
     _check("T = 1 (1,1,2,2,32,16)", _inputs(1, 1, 2, 2, 32, 16, -0.5, seed=3))
     _check("K = 256 (1,70,1,2,256,32)", _inputs(1, 70, 1, 2, 256, 32, -0.5, seed=4))
     _check("K = 48, BK 64 (1,70,1,1,48,24)", _inputs(1, 70, 1, 1, 48, 24, -3.0, seed=5))

@@ -33,31 +33,27 @@ PTX wgmma 16 (the eight products of the hot path, two k16 steps each) and mma.sy
 the same kernel spills 180 bytes, and with KC = 16 it spills 8 bytes (none without the fallback).
 """
 
+from unittest import mock
+
 import torch
-import triton
 import triton.language as tl
 
+from kda_edu.kernels import chunk
 from kda_edu.kernels._backend import jit
 from kda_edu.kernels.chunk import (
     CHUNK,
     DIAG_LIMIT,
     SUB,
-    _chunk_inverse_kernel,
-    _chunk_scan_kernel,
-    _chunk_wu_kernel,
     _clean,
     _diag_grams,
     _key_block,
     _mm,
-    _resources,
     _store_block,
     base2_gates,
     chunk_layout,
     chunk_program,
     load_rows,
     pow2,
-    scan_value_block,
-    work_precision,
 )
 
 # How the within-block cumsum is formed: "reshape", a cumsum over the middle axis of the tile seen as
@@ -189,93 +185,19 @@ def _chunk_gram64_kernel(
     _store_block(aqk, row0, 0, BT, BT, r, tl.where(r[:, None] >= r[None, :], Aq, 0.0))
 
 
-def prepare_chunks64(q, k, v, g, beta, scale, layout, store_x=False, kc=None, warps=(4, 1, 4)):
+def prepare_chunks64(*args, **kwargs):
     """`kda_edu.kernels.chunk.prepare_chunks` (same arguments, buffers and return value) with
-    `_chunk_gram64_kernel` launched in place of `_chunk_gram_kernel`; the inverse and w/u kernels unchanged."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    NT, NCH, chunks, _ = layout
-    BT, BK, BVP = CHUNK, pow2(K), pow2(V)
-    idt, prec = work_precision(q.dtype)
-    rows, lo = HV * NCH * BT, dict(device=q.device, dtype=idt)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    buffers = dict(
-        w=torch.empty(rows, BK, **lo),
-        u=torch.empty(rows, BVP, **lo),
-        qg=torch.empty(rows, BK, **lo),
-        kd=torch.empty(rows, BK, **lo),
-        aqk=torch.empty(rows, BT, **lo),
-        gl=torch.empty(HV * NCH, BK, **f32),
-        x=torch.empty(rows, BT, **f32),  # L, then X = (I + L)^-1 in its place
-    )
-    if NCH == 0:
-        buffers["x"] = buffers["x"] if store_x else None
-        return buffers, {}
-    kc = min(kc or 32, BK)
-    w, u, qg, kd, aqk, gl, x = buffers.values()
-    varlen = chunks is not None
-    low = "bf16" if idt != torch.float32 else prec
-    kernels = dict(
-        gram=_chunk_gram64_kernel[(NCH, HV)](
-            q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale,
-            BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
-        ),
-        inverse=_chunk_inverse_kernel[(NCH, HV)](x, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
-        wu=_chunk_wu_kernel[(NCH, HV)](
-            k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH,
-            BT=BT, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, KD_TOTAL=idt != torch.float32,
-            IS_VARLEN=varlen, num_warps=warps[2],
-        ),
-    )  # fmt: skip
-    if not store_x:
-        buffers["x"] = None
-    return buffers, kernels
+    `_chunk_gram64_kernel` launched in place of `_chunk_gram_kernel` (the same arguments); the inverse and
+    w/u kernels unchanged."""
+    with mock.patch.object(chunk, "_chunk_gram_kernel", _chunk_gram64_kernel):
+        return chunk.prepare_chunks(*args, **kwargs)
 
 
-def chunk_kda_fwd64(
-    q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
-    bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
-):  # fmt: skip
+def chunk_kda_fwd64(*args, **kwargs):
     """`kda_edu.kernels.chunk.chunk_kda_fwd` (same arguments and knobs: stop_after="prepare", info, keep) with
     the prepare kernels of `prepare_chunks64`; the scan kernel is chunk.py's."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    BT, BK, BVP = CHUNK, pow2(K), pow2(V)
-    layout = chunk_layout(T, B, cu_seqlens)
-    NT, NCH, _, offsets = layout
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    prec = work_precision(q.dtype)[1]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-
-    dev = q.device
-    o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
-    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    buffers, kernels = prepare_chunks64(
-        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare
-    )
-    if keep is not None:
-        keep.update(buffers)
-    if kernels:
-        if info is not None:
-            info.update((name, _resources(kernel)) for name, kernel in kernels.items())
-        if stop_after is not None:
-            return None, None
-    if N * HV == 0 or V == 0:
-        return o, ht
-
-    w, u, qg, kd, aqk, gl = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
-    if bv is None:
-        bv = scan_value_block(N * HV, V, BVP)
-    if BK * w.element_size() > 512:
-        stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
-    kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
-        w, u, qg, kd, aqk, gl, o, h0, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH,
-        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
-        IS_VARLEN=cu_seqlens is not None, num_warps=warps_scan, num_stages=stages,
-    )  # fmt: skip
-    if info is not None:
-        info["scan"] = _resources(kernel)
-    return o, ht
+    with mock.patch.object(chunk, "_chunk_gram_kernel", _chunk_gram64_kernel):
+        return chunk.chunk_kda_fwd(*args, **kwargs)
 
 
 def _inputs(B, T, H, HV, K, V, gate, seed=0):

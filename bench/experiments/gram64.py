@@ -25,6 +25,12 @@ WITHIN each 16-row block and s_b = l at the last row of block b (the block's gat
 
 Check (Triton's interpreter, float32): `python bench/experiments/gram64.py` (the `__main__` below).
 
+Measured on the H200 (session 16, `bench/experiments/bench_gram64.py`, bench/results/h200_gram64_3540da0.json):
+463 us against the current kernel's 561 at (1, 8192, 32) bf16, forward 1.082 against 1.180 ms, the same error
+against float64 (5.36e-3 at (1, 1024, 4)); slower at kc 16 or 8 warps. Status: an experiment that won; it
+becomes chunk.py's gram kernel together with chapter 8's stage 2, which builds and checks the 16 x 16-block
+kernel (bench/NOTES.md, the plan after session 16).
+
 Compiled offline for sm_90a (Triton 3.9 and its ptxas 13.4 on a CPU machine; bf16 inputs, K = V = 128, PREC
 "bf16", KC = 32, 4 warps, default stages), against `_chunk_gram_kernel` under the same settings: both at 255
 registers; spill stores / loads 624 / 748 bytes against 852 / 656; shared memory 28 KiB against 19 KiB;

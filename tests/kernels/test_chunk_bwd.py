@@ -202,6 +202,9 @@ def test_varlen_gradients_equal_separate_runs():
 KNOBS = {  # the chunk-local kernels split over key blocks: several blocks per chunk, a last one past K
     "lk16_lv16": dict(lk_block=16, lv_block=16),
     "lk16_lv32_8warps": dict(lk_block=16, lk_warps=8, lv_block=32, lv_warps=4),
+    # local_k's RMW form (each row block's terms written to memory at once), not yet the default
+    "rmw": dict(lk_rmw=True),
+    "rmw_lk16_lv16": dict(lk_rmw=True, lk_block=16, lv_block=16),
 }
 
 

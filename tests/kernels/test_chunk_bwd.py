@@ -90,13 +90,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("lk_rmw", [False, True], ids=["local_k_registers", "local_k_rmw"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_gradients_match_fp64_loop(case):
+def test_gradients_match_fp64_loop(case, lk_rmw):
+    """Every case with both forms of `_local_k_kernel` (the RMW form, lk_rmw=True, is not yet the default)."""
     shape, gate, with_state, use_ht = case
     inputs, do, dht = make_inputs(*shape, gate=gate)
     kw = dict(with_state=with_state, use_ht=use_ht)
     ref = oracle(inputs, do, dht, **kw)
-    got = grads(chunk_kda, inputs, do, dht, **kw)
+    bwd = functools.partial(chunk_bwd.chunk_kda_bwd, lk_rmw=lk_rmw)
+    with mock.patch.object(chunk_bwd, "chunk_kda_bwd", bwd):
+        got = grads(chunk_kda, inputs, do, dht, **kw)
     tol = 1e-5 if DEVICE == "cpu" else 2e-3
     for name, x, r in zip(NAMES, got, ref, strict=False):
         assert x.shape == r.shape and x.dtype == inputs[NAMES.index(name)].dtype, name

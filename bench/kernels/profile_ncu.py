@@ -105,9 +105,9 @@ def methods(x: dict, backward: bool, which=("kda_edu", "fla")) -> dict:
     `which` (fla only where it imports and the inputs are on a GPU)."""
     from kda_edu.kernels import chunk_kda
 
-    fns = {"kda_edu": lambda: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)}
-    if "kda_edu" not in which:
-        fns = {}
+    fns = {}
+    if "kda_edu" in which:
+        fns["kda_edu"] = lambda: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)
     if x["q"].is_cuda and "fla" in which:
         try:
             from fla.ops.kda import chunk_kda as fla_chunk_kda

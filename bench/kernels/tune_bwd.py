@@ -64,8 +64,7 @@ def main():
     knobs += [dict(lk_stages=s) for s in (1, 2, 4)]
     knobs += [dict(lv_block=b, lv_warps=w) for b, w in ((32, 4), (32, 8), (64, 4), (128, 8), (128, 4))]
     knobs += [{}]
-    if args.knobs is not None:
-        knobs = json.loads(args.knobs)
+    knobs = json.loads(args.knobs) if args.knobs is not None else knobs
     for kw in knobs:
         if args.minutes is not None and clock.perf_counter() - start > 60 * args.minutes:
             print("out of time", flush=True)

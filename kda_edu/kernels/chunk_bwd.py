@@ -515,9 +515,10 @@ def _local_k_kernel(
     # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
     # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
     end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
-    d = tl.load(dg_p, mask=km, other=0.0) - k_all * db_all
-    if not RMW:
-        d += acc_dgc
+    if RMW:  # the rows' terms are in dgc already
+        d = tl.load(dg_p, mask=km, other=0.0) - k_all * db_all
+    else:  # the register form's sums in the order the GPU suites ran them (build 75ef080)
+        d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.cumsum(d, axis=0, reverse=True)
     # A gate below GATE_FLOOR was raised to it (`base2_gates`): the output does not depend on it, dg = 0.

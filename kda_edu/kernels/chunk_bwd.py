@@ -360,15 +360,14 @@ def _local_k_block(
     c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Row block a of `_local_k_kernel` in its RMW form (`lk_rmw=True`): the gradients of its rows through the
-    blocks of dA and dAqk in its row (the columns before the block, skipped for a = 0, then the diagonal
-    block), written to memory at once: dq finished, dk and dgc added to in place, its share of dbeta. The
-    columns' side (db_all) and col_x are carried to the next block and returned.
+    """Row block a of `_local_k_kernel`: the gradients of its rows through the blocks of dA and dAqk in its
+    row (the columns before the block, skipped for a = 0, then the diagonal block), written to memory at once
+    (read-modify-write): dq finished, dk and dgc added to in place, its share of dbeta. The columns' side
+    (db_all) and col_x are carried to the next block and returned.
 
-    On the H200 this form took the training step from 7.07 to 6.40 ms at (1, 8192, 32) (bench/NOTES.md,
-    session 16), but the GPU kernel suites have not run with it yet (no device time was left), so it is not
-    the default: the register form below (rows placed into [BT, BK] tiles with `_rows_of_block`) is. The next
-    GPU session runs the suites with lk_rmw=True and makes it the only form if they pass."""
+    Writing each block's rows out at once, instead of adding them into three [BT, BK] register tiles for one
+    store at the end, took the training step from 7.07 to 6.39 ms on the H200 at (1, 8192, 32) (bench/NOTES.md,
+    sessions 16-17): the tiles had held the kernel at 255 registers."""
     NB: tl.constexpr = BT // BC
     rows = tl.arange(0, BT)
     rc = tl.arange(0, BC)
@@ -424,7 +423,7 @@ def _local_k_kernel(
     chunks,  # varlen only: the chunk table
     T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NKB: tl.constexpr, RMW: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
     Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
@@ -438,7 +437,6 @@ def _local_k_kernel(
     t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     n_t = (t_end - t0).to(tl.int32)
     rows = tl.arange(0, BT)
-    rc = tl.arange(0, BC)
     ck = i_k * BK + tl.arange(0, BK)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
@@ -450,75 +448,26 @@ def _local_k_kernel(
     k_off = t0 * HV * K + i_hv * K
     kt = rows[:, None] * HV * K + ck[None, :]
     km = (rows[:, None] < n_t) & (ck[None, :] < K)
-    dq_p, dk_p, dg_p = dq + k_off + kt, dk + k_off + kt, dgc + k_off + kt
-    db_p = dbeta_part + i_k * part_stride + (t0 + rows) * HV + i_hv
+    dk_p, dg_p = dk + k_off + kt, dgc + k_off + kt
 
-    acc_dk = tl.zeros([BT, BK], dtype=tl.float32)  # row-side terms, block by block
-    acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_dgc = tl.zeros([BT, BK], dtype=tl.float32)
-    acc_db = tl.zeros([BT], dtype=tl.float32)
     db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
     # Every decay below is 2^(a sum of consecutive gates), taken as such a sum (never as the difference of two
     # cumsums, which after a reset of -1000 would both be ~-1440 and carry ~1e-4 of an exponent in rounding).
     # col_x: for the rows j before block a, the gates after j up to block a's start (built block by block).
     col_x = tl.zeros([BT, BK], dtype=tl.float32)
-    if RMW:
-        for a in range(NB):
-            db_all, col_x = _local_k_block(
-                a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
-                c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
-                BT, BC, BK, NKB, PREC,
-            )  # fmt: skip
-    else:
-        for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
-            ta = a * BC + rc
-            k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
-            bk_a = beta_a[:, None] * k_a
-            m_rows = (c * BT + a * BC + rc)[:, None] * BT
-            # Columns before the block, anchored at its start boundary (all zero for a = 0).
-            dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
-            dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
-            row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
-            before = (rows < a * BC)[:, None]
-            col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
-            k_col = k_all * col_f
-            da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
-            da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
-            db_all += col_f * (
-                tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
-                + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
-            )
-            dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
-            dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
-            da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
-            da_kk += da_d
-            da_qk += dq_d
-            acc_dk += _rows_of_block(beta_a[:, None] * da_kk + db_a, a, NB, BC, BK)
-            acc_dq += _rows_of_block(scale * da_qk, a, NB, BC, BK)
-            acc_dgc += _rows_of_block(bk_a * da_kk + qs_a * da_qk - k_a * db_a, a, NB, BC, BK)
-            acc_db += tl.sum(_rows_of_block(k_a * da_kk, a, NB, BC, BK), axis=1)
-            # Rows before block a take its gate sum; block a's rows the gates after them within the block.
-            g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
-            after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
-            col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
-            col_x += _rows_of_block(after_a, a, NB, BC, BK)
-
-    if RMW:
-        tl.debug_barrier()  # the blocks' stores into dk and dgc are seen by every thread below
-        dk_new = tl.load(dk_p, mask=km, other=0.0) + db_all
-    else:
-        dq_new = tl.load(dq_p, mask=km, other=0.0) + acc_dq
-        tl.store(dq_out + k_off + kt, dq_new.to(dq_out.dtype.element_ty), mask=km)
-        dk_new = tl.load(dk_p, mask=km, other=0.0) + acc_dk + db_all
-        tl.store(db_p, acc_db, mask=rows < n_t)
+    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
+        db_all, col_x = _local_k_block(
+            a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
+            c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
+            BT, BC, BK, NKB, PREC,
+        )  # fmt: skip
+    tl.debug_barrier()  # the blocks' stores into dk and dgc are seen by every thread below
+    dk_new = tl.load(dk_p, mask=km, other=0.0) + db_all
     tl.store(dk_out + k_off + kt, dk_new.to(dk_out.dtype.element_ty), mask=km)
     # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
     # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
     end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
-    if RMW:  # the rows' terms are in dgc already
-        d = tl.load(dg_p, mask=km, other=0.0) - k_all * db_all
-    else:  # the register form's sums in the order the GPU suites ran them (build 75ef080)
-        d = tl.load(dg_p, mask=km, other=0.0) + acc_dgc - k_all * db_all
+    d = tl.load(dg_p, mask=km, other=0.0) - k_all * db_all  # the rows' terms are in dgc already
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.cumsum(d, axis=0, reverse=True)
     # A gate below GATE_FLOOR was raised to it (`base2_gates`): the output does not depend on it, dg = 0.
@@ -528,7 +477,7 @@ def _local_k_kernel(
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
-    lk_stages=None, kept=None, lk_rmw=True,
+    lk_stages=None, kept=None,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
@@ -621,7 +570,7 @@ def chunk_kda_bwd(
     _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
         q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
         chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
-        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb, RMW=lk_rmw,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb,
         num_warps=lk_warps,
         **({} if lk_stages is None else dict(num_stages=lk_stages)),
     )  # fmt: skip

@@ -90,17 +90,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("lk_rmw", [False, True], ids=["local_k_registers", "local_k_rmw"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_gradients_match_fp64_loop(case, lk_rmw):
-    """Every case with both forms of `_local_k_kernel` (the RMW form, lk_rmw=True, is not yet the default)."""
+def test_gradients_match_fp64_loop(case):
     shape, gate, with_state, use_ht = case
     inputs, do, dht = make_inputs(*shape, gate=gate)
     kw = dict(with_state=with_state, use_ht=use_ht)
     ref = oracle(inputs, do, dht, **kw)
-    bwd = functools.partial(chunk_bwd.chunk_kda_bwd, lk_rmw=lk_rmw)
-    with mock.patch.object(chunk_bwd, "chunk_kda_bwd", bwd):
-        got = grads(chunk_kda, inputs, do, dht, **kw)
+    got = grads(chunk_kda, inputs, do, dht, **kw)
     tol = 1e-5 if DEVICE == "cpu" else 2e-3
     for name, x, r in zip(NAMES, got, ref, strict=False):
         assert x.shape == r.shape and x.dtype == inputs[NAMES.index(name)].dtype, name
@@ -206,9 +202,7 @@ def test_varlen_gradients_equal_separate_runs():
 KNOBS = {  # the chunk-local kernels split over key blocks: several blocks per chunk, a last one past K
     "lk16_lv16": dict(lk_block=16, lv_block=16),
     "lk16_lv32_8warps": dict(lk_block=16, lk_warps=8, lv_block=32, lv_warps=4),
-    # local_k's RMW form (each row block's terms written to memory at once), not yet the default
-    "rmw": dict(lk_rmw=True),
-    "rmw_lk16_lv16": dict(lk_rmw=True, lk_block=16, lv_block=16),
+    "lk64_lv16": dict(lk_block=64, lv_block=16),  # local_k with one key block for K <= 64
 }
 
 

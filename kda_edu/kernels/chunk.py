@@ -4,9 +4,9 @@ This is `kda_edu.ops.kda.kda_chunked` (read its docstring first: the notation be
 kernels whose tiles stay small. The chunk's 64 rows are four blocks of 16; L = Diag(beta) A.
 
 Kernel 1, `_chunk_gram_kernel`, one program per (chunk, value head), all chunks at once: KC key columns at a
-    time, the ten 16 x 16 blocks of A (keys against keys) and Aqk (queries against keys) on and below the
-    diagonal, and qg = scale Q * exp(gc) (gc the gate cumsum within the chunk). Writes qg, Aqk whole (zeros
-    above the diagonal blocks, so the scan reads it without a mask) and L (float32) into the x buffer.
+    time, A (keys against keys) and Aqk (queries against keys) in two 64 x 64 accumulators, and
+    qg = scale Q * exp(gc) (gc the gate cumsum within the chunk). Writes qg, Aqk whole (zeros above the
+    diagonal, so the scan reads it without a mask) and L (float32) into the x buffer.
 Kernel 2, `_chunk_inverse_kernel`, one program (one warp) per (chunk, value head): X = (I + L)^-1 over L in
     place. The diagonal blocks X_aa = (I + L_aa)^-1 by forward substitution (16 rows, element-wise float32:
     accurate when keys are nearly parallel, see `_unit_lower_inverse`), then block row a of (I + L) X = I
@@ -46,15 +46,22 @@ gates at -5: float32 overflows past exp(88.7). So every split is anchored where 
   * the 16 x 16 diagonal blocks: anchor at the block's middle row m. Each factor's exponent is bounded by
     the gate sum over at most 8 steps: |exponent| <= 8 * 5 / ln 2 = 58 (in powers of two) for gates down to
     -5, far inside float32's range (2^-126 .. 2^127). For gates so large that the half-block sum passes 96
-    powers of two (about -8.3 per step) the kernel switches, for that block only, to the exact pairwise form:
+    powers of two (about -8.3 per step) the kernel switches, for that step of key columns, to computing the
+    four diagonal blocks one at a time, and a block whose own span is too large in the exact pairwise form:
     one column at a time, exp(gc_i - gc_j) with the exponent clipped at 0. Realistic gates never take that
     branch; it is there so that no input produces inf or NaN.
 All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 
-Why blocks of 16 in kernel 1: its anchors differ from block to block (above), so its products are 16 x 16
-blocks; it holds twenty accumulators and compiles to 255 registers at 4 warps, with spills. Kernel 3 has no
-anchor to respect (exp(gc) <= 1) and multiplies whole chunks. The designs tried and their timings are in
-bench/NOTES.md; the current timings in bench/results/h200_forward_split.json.
+How kernel 1 multiplies: the anchors above differ from block to block, so a single product of the whole
+chunk cannot respect them. Until session 17 the kernel multiplied 16 x 16 blocks, one product per block pair
+(twenty accumulators, 255 registers at 4 warps with spills, every product an `mma.sync`). Now every product
+is a whole 64-row tile, the shape of Hopper's warpgroup products (`wgmma`): for each column block c, one
+product of all the rows after block c against the keys of block c, with every other row and column scaled by
+2^-inf = 0; and one product for the four diagonal blocks, each row and column scaled by its own block's
+middle anchor, of which only the diagonal blocks are kept. On the H200 that took kernel 1 from 561 to 463 us
+at (1, 8192, 32) (bench/NOTES.md, sessions 16-17). Kernel 3 has no anchor to respect (exp(gc) <= 1) and
+multiplies whole chunks. The designs tried and their timings are in bench/NOTES.md; the current timings in
+bench/results/h200_forward_split.json.
 
 Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
 operands to bfloat16 (`_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
@@ -230,13 +237,6 @@ def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
 
 
 @jit
-def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
-    """One off-diagonal block pair: (k_a, q_a) rows scaled by 2^exponent (<= 0) against col^T."""
-    row_f = tl.exp2(exponent)
-    return _mm(k_a * row_f, tl.trans(col), PREC), _mm(q_a * row_f, tl.trans(col), PREC)
-
-
-@jit
 def _store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
     """Store a [BC, len(cols)] tile as rows row0 + a * BC ... of a buffer with n_cols columns."""
     r = (row0 + a * BC + tl.arange(0, BC)).to(tl.int64)
@@ -255,46 +255,56 @@ def _key_block(k_h, g_h, t, cols, H, HV, K, n_t):
 
 
 @jit
-def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
-    """The chunk's four 16-row blocks of keys in key columns `cols` (`_key_block`), the within-block gate
-    cumsums l_a and the column factors c_a = k_a * 2^(s_a - l_a) of blocks 0..2 (s_a the block's gate sum), and
-    the block gate sums s_0..s_2 ([1, len(cols)])."""
-    rc = tl.arange(0, BC)
-    last = (rc == BC - 1)[:, None]
-    k0, l0, _ = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
-    k1, l1, _ = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
-    k2, l2, _ = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
-    k3, l3, _ = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
-    s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
-    s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
-    s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
-    c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
-    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2
+def _block_cumsum(x, BC: tl.constexpr):
+    """Cumsum of x [4 * BC, KC] down each BC-row block separately (restarting at rows 0, BC, 2 BC, 3 BC)."""
+    return tl.reshape(tl.cumsum(tl.reshape(x, [x.shape[0] // BC, BC, x.shape[1]]), axis=1), x.shape)
 
 
 @jit
-def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, A_ROW: tl.constexpr,
-                 BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """Row block A_ROW of L = Diag(beta) A and of Aqk: ad / qd the diagonal block, a1.. / q1.. the blocks
-    1, 2, 3 left of it."""
+def _row(x, i):
+    """Row i of the tile x [R, KC], as a [1, KC] row."""
+    r = tl.arange(0, x.shape[0])
+    return tl.sum(tl.where((r == i)[:, None], x, 0.0), axis=0)[None, :]
+
+
+@jit
+def _per_block(blk, x0, x1, x2, x3):
+    """[R, KC] tile whose rows in 16-row block b (blk == b, a [R, 1] column) are the [1, KC] row x_b."""
+    return tl.where(blk == 0, x0, tl.where(blk == 1, x1, tl.where(blk == 2, x2, x3)))
+
+
+@jit
+def _left_of_diagonal(k, q, l, blk, row_exp, s_c, c: tl.constexpr, PREC: tl.constexpr):
+    """Blocks (a, c) of A and Aqk for every row block a > c, from one 64-row product each: the rows i of the
+    blocks after c scaled by 2^row_exp (row_exp = the gates from the end of block c to i, <= 0) against the
+    keys j of block c scaled by 2^(s_c - l_j) (the gates after j within block c, <= 0). Every other row and
+    column is an exact 0 (exponent -inf), so the product is 0 outside those blocks."""
+    col = tl.trans(k * tl.exp2(tl.where(blk == c, s_c - l, float("-inf"))))
+    row_f = tl.exp2(tl.where(blk > c, row_exp, float("-inf")))
+    return _mm(k * row_f, col, PREC), _mm(q * row_f, col, PREC)
+
+
+@jit
+def _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC: tl.constexpr, PREC: tl.constexpr):
+    """The four diagonal 16 x 16 blocks of A and Aqk for one step of key columns, each from `_diag_grams` on
+    its block reloaded by `_key_block` (anchored at its middle row, or the exact pairwise form when its
+    half-block gate sum is too large), placed into [4 BC, 4 BC] tiles with zeros off the diagonal blocks.
+    The gram kernel takes this path only for steps with gates below about -8.3 per step, or a reset."""
     rc = tl.arange(0, BC)
-    ta = A_ROW * BC + rc
-    b_a, _ = _clean(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
-    _store_block(
-        lmat, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] > rc[None, :], b_a * ad, 0.0)
-    )
-    _store_block(aqk, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] >= rc[None, :], qd, 0.0))
-    if A_ROW >= 1:
-        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, b_a * a1)
-        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, q1)
-    if A_ROW >= 2:
-        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, b_a * a2)
-        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, q2)
-    if A_ROW >= 3:
-        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, b_a * a3)
-        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, q3)
-    for c in range(A_ROW + 1, BT // BC):  # the blocks right of the diagonal
-        _store_block(aqk, row0, A_ROW, BC, BT, c * BC + rc, tl.zeros([BC, BC], dtype=tl.float32))
+    a_id = tl.arange(0, 4)[
+        :, None, None, None
+    ]  # the 64 x 64 tiles seen as [row block, row, column block, column]
+    c_id = tl.arange(0, 4)[None, None, :, None]
+    Dk = tl.zeros([4, BC, 4, BC], dtype=tl.float32)
+    Dq = tl.zeros([4, BC, 4, BC], dtype=tl.float32)
+    for a in tl.static_range(4):
+        k_a, l_a, _ = _key_block(k_h, g_h, a * BC + rc, cols, H, HV, K, n_t)
+        q_a = load_rows(q_h, a * BC + rc, H * K, cols, K, n_t).to(tl.float32) * scale
+        Mk, Mq = _diag_grams(k_a, q_a, l_a, BC, PREC)
+        here = (a_id == a) & (c_id == a)
+        Dk = tl.where(here, Mk[None, :, None, :], Dk)
+        Dq = tl.where(here, Mq[None, :, None, :], Dq)
+    return tl.reshape(Dk, [4 * BC, 4 * BC]), tl.reshape(Dq, [4 * BC, 4 * BC])
 
 
 @jit(do_not_specialize=["NT"])
@@ -303,60 +313,65 @@ def _chunk_gram_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """One program per (chunk, value head): the chunk's ten 16 x 16 blocks of A and Aqk on and below the
-    diagonal (twenty accumulators), KC key columns at a time, each key block loaded once per step, and qg.
-    Writes qg, Aqk whole and L = Diag(beta) A into lmat (`_store_l_aqk`). Block (a, c < a) is anchored at the
-    end boundary of block c (`_pair`, both exponents <= 0), the diagonal blocks at their middle row or in
-    the exact pairwise form (`_diag_grams`). One program per 16-row block instead held fewer accumulators
-    but reloaded every earlier block, and was slower (bench/NOTES.md, session 15)."""
+    """One program per (chunk, value head): A and Aqk in two 64 x 64 float32 accumulators, KC key columns at
+    a time, and qg. Writes qg, Aqk whole (zeros above the diagonal) and L = Diag(beta) A (zeros on and above
+    it) into lmat. Each step makes eight products of whole 64-row tiles (Hopper's warpgroup shape):
+
+    * left of the diagonal, one pair per column block c = 0, 1, 2 (`_left_of_diagonal`), covering every row
+      block after c at once, anchored at the end of block c (both exponents <= 0 whatever the gates);
+    * the four diagonal blocks from one pair anchored at each block's middle row, of which only those blocks
+      are kept: the rest mixes different anchors (possibly inf) and is discarded by a select. Each exponent
+      there is bounded by its block's half-block gate sum; when one passes DIAG_LIMIT the step takes
+      `_exact_diagonal` instead.
+
+    l is the base-2 gate cumsum within each 16-row block and s_b its value at block b's last row (the block's
+    gate sum), so every exponent is a sum of a few gates, never the difference of two long cumsums."""
+    tl.static_assert(BT == 4 * BC)
     i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
     b_h = beta + t0 * HV + i_hv
-    rc = tl.arange(0, BC)
-    t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
-    q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
-    a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
+    r = tl.arange(0, BT)
+    blk = (r // BC)[:, None]  # each row's 16-row block, [BT, 1]
+    on_diag = blk == (r // BC)[None, :]  # the four diagonal blocks of a [BT, BT] tile
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
-            k_h, g_h, cols, H, HV, K, n_t, BC
-        )
-        q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
-        q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
-        x, y = _pair(k1, q1, l1, c0, PREC)
-        a10, q10 = a10 + x, q10 + y
-        q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
-        x, y = _pair(k2, q2, l2 + s1, c0, PREC)
-        a20, q20 = a20 + x, q20 + y
-        x, y = _pair(k2, q2, l2, c1, PREC)
-        a21, q21 = a21 + x, q21 + y
-        q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
-        x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
-        a30, q30 = a30 + x, q30 + y
-        x, y = _pair(k3, q3, l3 + s2, c1, PREC)
-        a31, q31 = a31 + x, q31 + y
-        x, y = _pair(k3, q3, l3, c2, PREC)
-        a32, q32 = a32 + x, q32 + y
-        x, y = _diag_grams(k0, q0, l0, BC, PREC)
-        a00, q00 = a00 + x, q00 + y
-        x, y = _diag_grams(k1, q1, l1, BC, PREC)
-        a11, q11 = a11 + x, q11 + y
-        x, y = _diag_grams(k2, q2, l2, BC, PREC)
-        a22, q22 = a22 + x, q22 + y
-        x, y = _diag_grams(k3, q3, l3, BC, PREC)
-        a33, q33 = a33 + x, q33 + y
-        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
-        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
-        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
-        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a00, z, z, z, q00, z, z, z, 0, BT, BC)
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a11, a10, z, z, q11, q10, z, z, 1, BT, BC)
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a22, a21, a20, z, q22, q21, q20, z, 2, BT, BC)
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a33, a32, a31, a30, q33, q32, q31, q30, 3, BT, BC)
+        k_c, _ = _clean(load_rows(k_h, r, H * K, cols, K, n_t).to(tl.float32))
+        q_c = load_rows(q_h, r, H * K, cols, K, n_t).to(tl.float32) * scale
+        g_c = load_rows(g_h, r, HV * K, cols, K, n_t).to(tl.float32)
+        l = _block_cumsum(tl.where(g_c < float("inf"), base2_gates(g_c), 0.0), BC)
+        s0, s1, s2 = _row(l, BC - 1), _row(l, 2 * BC - 1), _row(l, 3 * BC - 1)  # block gate sums, <= 0
+
+        # Left of the diagonal, by column block c; row exponent l_i + the sums of the blocks between c and blk(i).
+        x, y = _left_of_diagonal(k_c, q_c, l, blk, l + _per_block(blk, 0.0, 0.0, s1, s1 + s2), s0, 0, PREC)
+        A, Aq = A + x, Aq + y
+        x, y = _left_of_diagonal(k_c, q_c, l, blk, l + tl.where(blk == 3, s2, 0.0), s1, 1, PREC)
+        A, Aq = A + x, Aq + y
+        x, y = _left_of_diagonal(k_c, q_c, l, blk, l, s2, 2, PREC)
+        A, Aq = A + x, Aq + y
+
+        # The diagonal blocks, anchored at each block's middle row.
+        d = l - _per_block(blk, _row(l, BC // 2), _row(l, BC + BC // 2), _row(l, 2 * BC + BC // 2),
+                           _row(l, 3 * BC + BC // 2))  # fmt: skip
+        if tl.max(tl.max(tl.abs(d), axis=1), axis=0) <= DIAG_LIMIT:
+            col = tl.trans(k_c * tl.exp2(-d))
+            row_f = tl.exp2(d)
+            A += tl.where(on_diag, _mm(k_c * row_f, col, PREC), 0.0)
+            Aq += tl.where(on_diag, _mm(q_c * row_f, col, PREC), 0.0)
+        else:
+            x, y = _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC, PREC)
+            A, Aq = A + x, Aq + y
+
+        # qg = q 2^(gc), gc the cumsum from the chunk start: l plus the sums of the blocks before (<= 0).
+        gc = l + _per_block(blk, 0.0, s0, s0 + s1, s0 + s1 + s2)
+        _store_block(qg, row0, 0, BT, BK, cols, q_c * tl.exp2(gc))
+
+    b, _ = _clean(tl.load(b_h + r * HV, mask=r < n_t, other=0.0).to(tl.float32)[:, None])
+    _store_block(lmat, row0, 0, BT, BT, r, tl.where(r[:, None] > r[None, :], b * A, 0.0))
+    _store_block(aqk, row0, 0, BT, BT, r, tl.where(r[:, None] >= r[None, :], Aq, 0.0))
 
 
 @jit

@@ -73,6 +73,19 @@ def test_strong_gates_stay_finite(gate):
     assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL
 
 
+def test_gate_strength_varies_across_key_columns():
+    """The gram kernel chooses the diagonal blocks' form per step of 32 key columns: here the first step's
+    gates are mild (one anchored 64-row product) and the second's strong enough (down to -12 per step) that
+    it computes the four diagonal blocks one by one, some anchored, some pairwise; a reset sits in between."""
+    q, k, v, g, beta, h0 = make_inputs(1, 150, 1, 2, 64, 32, gate=-0.5, seed=8)
+    g[..., 32:] *= 24.0
+    g[:, 90] = -1000.0
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL
+
+
 def test_half_precision_inputs():
     """bf16 in, bf16 out; the state stays float32. Loose tolerance: the inputs themselves are rounded."""
     q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 1, 32, 32)

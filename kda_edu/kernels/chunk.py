@@ -52,16 +52,15 @@ gates at -5: float32 overflows past exp(88.7). So every split is anchored where 
     branch; it is there so that no input produces inf or NaN.
 All gates are carried in base 2 (g * log2(e)) so that every decay is one `exp2`.
 
-How kernel 1 multiplies: the anchors above differ from block to block, so a single product of the whole
-chunk cannot respect them. Until session 17 the kernel multiplied 16 x 16 blocks, one product per block pair
-(twenty accumulators, 255 registers at 4 warps with spills, every product an `mma.sync`). Now every product
-is a whole 64-row tile, the shape of Hopper's warpgroup products (`wgmma`): for each column block c, one
-product of all the rows after block c against the keys of block c, with every other row and column scaled by
-2^-inf = 0; and one product for the four diagonal blocks, each row and column scaled by its own block's
-middle anchor, of which only the diagonal blocks are kept. On the H200 that took kernel 1 from 561 to 463 us
-at (1, 8192, 32) (bench/NOTES.md, sessions 16-17). Kernel 3 has no anchor to respect (exp(gc) <= 1) and
-multiplies whole chunks. The designs tried and their timings are in bench/NOTES.md; the current timings in
-bench/results/h200_forward_split.json.
+How kernel 1 multiplies: the anchors above differ from block to block, so one plain product of the whole
+chunk cannot respect them, and products of 16 x 16 blocks (one per block pair, chapter 8's first version) run
+as per-warp `mma.sync` on Hopper. Instead every product is a whole 64-row tile, the shape of Hopper's
+warpgroup products (`wgmma`): for each column block c, one product of all the rows after block c against the
+keys of block c, with every other row and column scaled by 2^-inf = 0; and one product for the four
+diagonal blocks, each row and column scaled by its own block's middle anchor, of which only the diagonal
+blocks are kept. That multiplies more zeros than the ten useful blocks need, and is faster all the same.
+Kernel 3 has no anchor to respect (exp(gc) <= 1) and multiplies whole chunks. The designs tried and their
+timings are in bench/NOTES.md; the current timings in bench/results/h200_forward_split.json.
 
 Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
 operands to bfloat16 (`_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and

@@ -363,11 +363,8 @@ def _local_k_block(
     """Row block a of `_local_k_kernel`: the gradients of its rows through the blocks of dA and dAqk in its
     row (the columns before the block, skipped for a = 0, then the diagonal block), written to memory at once
     (read-modify-write): dq finished, dk and dgc added to in place, its share of dbeta. The columns' side
-    (db_all) and col_x are carried to the next block and returned.
-
-    Writing each block's rows out at once, instead of adding them into three [BT, BK] register tiles for one
-    store at the end, took the training step from 7.07 to 6.39 ms on the H200 at (1, 8192, 32) (bench/NOTES.md,
-    sessions 16-17): the tiles had held the kernel at 255 registers."""
+    (db_all) and col_x are carried to the next block and returned. Writing each block's rows out at once
+    keeps no [BT, BK] accumulator of row terms in registers (bench/NOTES.md has the form it replaced)."""
     NB: tl.constexpr = BT // BC
     rows = tl.arange(0, BT)
     rc = tl.arange(0, BC)

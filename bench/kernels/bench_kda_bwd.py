@@ -145,7 +145,7 @@ def main():
         res["build"] = args.build
     for B, T, H in shapes:
         x, do = make_inputs(B, T, H)
-        row = dict(B=B, T=T, H=H)
+        row = dict(B=B, T=T, H=H, build=args.build or "unknown")  # rows of other runs may stay in the file
         grads = {}
         for name, fn in METHODS.items():
             try:

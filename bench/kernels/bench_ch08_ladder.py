@@ -1,6 +1,7 @@
 """Chapter 8's ladder on a GPU: every version of the chunked KDA forward, checked, then timed side by side.
 
-For each entry of `kda_edu.chapters.ch08_chunk_kernel.LADDER` (v0 first, the production kernels last):
+For each entry of `kda_edu.chapters.ch08_chunk_kernel.LADDER` (v0 first; blocks16, the production kernels with
+chapter 8's 16 x 16-block gram kernel launched in place of chunk.py's; chunk_kda, the production kernels, last):
   1. check it against the float64 loop `kda_edu.ops.kda.kda_recurrent` on a small awkward shape
      (B = 2, T = 200: a partial last chunk; H = 2, HV = 4; K = V = 128; an initial state), in float32 and in
      bfloat16. Bounds on the relative error of o and of the final state: float32 1e-4 (the products inside
@@ -9,8 +10,10 @@ For each entry of `kda_edu.chapters.ch08_chunk_kernel.LADDER` (v0 first, the pro
      unit roundoff 4.9e-4; the reference runs on the same rounded inputs). A version that fails is not timed.
   2. time its launcher with `triton.testing.do_bench` (median) at (B, T, H) = (1, 8192, 32) and (8, 4096, 16),
      bfloat16, K = V = 128, on the inputs of bench/kernels/bench_kda.py (HV = H, gates in [-5, 0] in float32).
-Writes `$OUT/h200_ch08_ladder.json` (or --out) and prints a table. Expected to take about a minute on an
-H200, most of it compiling (not yet run there; the timed calls are bounded by do_bench's 100 ms budget each).
+Writes `$OUT/h200_ch08_ladder.json` (or --out) and prints a table; each step records its `change` (LADDER's
+text), its errors and the registers of its compiled kernels (`info=`), each shape the median ms per step.
+About a minute or two on an H200, most of it compiling (the timed calls are bounded by do_bench's 100 ms
+budget each).
 
     OUT=bench/results python bench/kernels/bench_ch08_ladder.py
 """

@@ -2,24 +2,33 @@
 
 - `prepare` runs only the three prepare kernels (`_chunk_gram_kernel`, `_chunk_inverse_kernel`,
   `_chunk_wu_kernel`, through `prepare_chunks`) and returns their intermediates (w, u, qg, kd, Aqk, exp(gc_C),
-  and on request X = (I + L)^-1) as `[B, HV, NT, C, *]` tensors; `scan` runs the scan kernel on them.
+  and on request X = (I + L)^-1) as `[B, HV, NT, C, *]` tensors; `scan` runs the scan kernel on them; `gram`
+  runs one gram kernel alone and returns qg, Aqk and L.
 - `reference_intermediates` computes the same intermediates in float64 PyTorch, from the chunkwise pieces of
   chapter 6 (`kda_edu.ops.chunkwise`).
+- `gram16_kernel` is the gram kernel's first version, one product per 16 x 16 block (twenty accumulators),
+  with the arguments of chunk.py's `_chunk_gram_kernel`; `gram_kernel_swapped` makes chunk.py's launchers
+  launch it instead, and `blocks16_forward` is the forward with it (a rung of `LADDER`).
+- `left_of_diagonal`, `diagonal_product` and `gram64` are the 64-row gram kernel's products written in
+  PyTorch: the masked products left of the diagonal, the anchored product whose diagonal blocks it keeps;
+  `diagonal_spans` finds the steps of key columns whose gates send the kernel to its per-block path.
 - `diagonal_block_inverse`, `block_inverse` and `block_forward_substitution` are the inverse kernel's
   arithmetic written in PyTorch so that they can be checked against `torch.linalg.inv` / `torch.linalg.solve`:
   the 16 x 16 diagonal blocks of I + L inverted by forward substitution, row by row; the blocks of
   X = (I + L)^-1 left of the diagonal, block row by block row, as the kernel forms them; and (I + L)^-1 B
   16 rows at a time (with B = I it gives X). `neumann_block_inverse` is the product form an earlier kernel
   used for the diagonal blocks, kept to show why it was dropped.
-- `design_traffic` and `design_flops` count what the four kernels move and compute per token and head.
+- `design_traffic` and `design_flops` count what the four kernels move and compute per token and head;
+  `gram_block_flops` counts the useful part of the gram kernel's products (the ten blocks on and below the
+  diagonal).
 - `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
   `kda_edu.book.bench_result`).
 - `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor by registers;
   `fixed_cost_lengths` finds where a sweep's time stops growing with T (a fixed cost per call dominates).
 - `hopper_instructions` compiles kernels for the H200 (sm_90) without a GPU and counts the tensor-core
-  instructions and TMA copies in their PTX: chunk_kda's four, and `tile_product` (one product) and
-  `tile_product_tma` (the same through tensor descriptors). `block_pointer_copy` runs a kernel written with
-  block pointers, to see whether the installed Triton still accepts them.
+  instructions and TMA copies in their PTX: chunk_kda's four, `gram16_kernel`, and `tile_product` (one
+  product) and `tile_product_tma` (the same through tensor descriptors). `block_pointer_copy` runs a kernel
+  written with block pointers, to see whether the installed Triton still accepts them.
 - `LADDER` lists the versions of the forward the chapter builds, from `ch08_chunk_v0` to the kernels of
   `kda_edu.kernels.chunk`, each with its launcher and what it changed; bench/kernels/bench_ch08_ladder.py
   checks and times every entry.
@@ -30,43 +39,54 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
 import triton.language as tl
 
 from kda_edu.chapters.ch08_chunk_v0 import v0_forward
+from kda_edu.kernels import chunk
 from kda_edu.kernels._backend import jit
-from kda_edu.kernels.chunk import CHUNK, KERNELS, SUB, chunk_kda_fwd, chunk_layout, pow2, prepare_chunks
-from kda_edu.ops._chunks import chunk_inputs
+
+# With chunk.py's public names, the building blocks `gram16_kernel` shares with chunk.py's gram kernel (private
+# to chunk.py, which this chapter takes apart; imported, not copied, so that each exists once)
+from kda_edu.kernels.chunk import (
+    CHUNK,
+    KERNELS,
+    SUB,
+    _clean,
+    _diag_grams,
+    _key_block,
+    _mm,
+    _store_block,
+    chunk_kda_fwd,
+    chunk_layout,
+    chunk_program,
+    load_rows,
+    pow2,
+    prepare_chunks,
+)
+from kda_edu.ops._checks import GATE_FLOOR
+from kda_edu.ops._chunks import chunk_inputs, to_chunks
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
-
-# ---------------------------------------------------------------------------------------------------------
-# The ladder: every version of the forward, in the order the chapter builds them
-
-# name -> (launcher, what this version changed). Every launcher takes validated inputs
-# (q, k, v, g, beta, scale, initial_state, output_final_state) and returns (o, final_state).
-LADDER = {
-    "v0": (
-        v0_forward,
-        "one program per chunk holds all 64 rows; A and Aqk one key channel at a time with whole pairwise "
-        "decays; (I + L)^-1 by 64-row forward substitution; one program per head carries the whole state",
-    ),
-    "chunk_kda": (
-        chunk_kda_fwd,
-        "kda_edu.kernels.chunk: 16 x 16 blocks with anchored decays as tensor-core products, (I + L)^-1 from "
-        "16 x 16 blocks, w and u as whole-chunk products, 16-bit intermediates, the state split over blocks of "
-        "value columns",
-    ),
-}
 
 # ---------------------------------------------------------------------------------------------------------
 # The kernels, one stage at a time
 
 
 def prepare(
-    q, k, v, g, beta, scale: float | None = None, kc: int | None = None, store_x: bool = False
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale: float | None = None,
+    kc: int | None = None,
+    store_x: bool = False,
+    gram_kernel=None,
 ) -> dict:
     """Run the three prepare kernels alone (float32 inputs) and return their outputs, chunk by chunk.
 
@@ -75,7 +95,8 @@ def prepare(
     (`[B, HV, NT, K]`, exp(gc_C)), with `store_x` also `x` (`[.., C, C]`, X = (I + L)^-1 as the inverse kernel
     wrote it, float32), and `flat`: the padded buffers as the scan kernel reads them (layout
     `[HV, B * NT * C, cols]`: value head first, then the global chunk index, then the row). `kc` key columns
-    per step of the kernels' column loops (the launcher's default when None).
+    per step of the kernels' column loops (the launcher's default when None). `gram_kernel`: launched in place
+    of chunk.py's gram kernel when given (`gram16_kernel`).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -83,7 +104,8 @@ def prepare(
     BT = CHUNK
     NT, NCH, _, _ = layout = chunk_layout(T, B)  # chunk i_c is chunk i_c % NT of sequence i_c // NT
     q, k, v, g, beta = (x.contiguous().float() for x in (q, k, v, g, beta))
-    flat = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=store_x, kc=kc)[0]  # chunk_kda's launch
+    with gram_kernel_swapped(gram_kernel) if gram_kernel is not None else nullcontext():  # chunk_kda's launch
+        flat = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=store_x, kc=kc)[0]
     x_buf = flat.pop("x")  # X = (I + L)^-1, or None: returned only on request
 
     def view(name, cols):  # [HV, B, NT, C, cols] -> [B, HV, NT, C, cols]
@@ -139,6 +161,271 @@ def reference_intermediates(q, k, v, g, beta, scale: float | None = None) -> dic
         w=w, u=u, qg=q_c * gc.exp(), kd=k_c * (gc_end - gc).exp(), aqk=aqk, gl=gc_end.squeeze(-2).exp(),
         gc=gc, A=A, X=X, rhs=rhs,
     )  # fmt: skip
+
+
+def gram(q, k, g, beta, scale: float | None = None, kc: int | None = None, kernel=None) -> dict:
+    """Run one gram kernel alone (float32 inputs, launched as `prepare_chunks` launches it) and return its
+    outputs chunk by chunk: `qg` `[B, HV, NT, C, K]`, `aqk` and `L` = Diag(beta) A `[B, HV, NT, C, C]` (L as
+    written into the x buffer, whose entries the kernel leaves unwritten read as 0).
+
+    `kernel`: chunk.py's `_chunk_gram_kernel` when None, or another with its arguments (`gram16_kernel`); `kc`
+    key columns per step (`prepare_chunks`' default of 32, at most K rounded up to a power of two, when None).
+    """
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    scale = K**-0.5 if scale is None else scale
+    NT, NCH, chunks, _ = chunk_layout(T, B)
+    BK = pow2(K)
+    q, k, g, beta = (x.contiguous().float() for x in (q, k, g, beta))
+    rows = HV * NCH * CHUNK
+    qg = torch.zeros(rows, BK, device=q.device)
+    aqk = torch.zeros(rows, CHUNK, device=q.device)
+    lmat = torch.zeros(rows, CHUNK, device=q.device)
+    (kernel or chunk._chunk_gram_kernel)[(NCH, HV)](
+        q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale,
+        BT=CHUNK, BC=SUB, BK=BK, KC=min(kc or 32, BK), PREC="ieee", IS_VARLEN=False, num_warps=4,
+    )  # fmt: skip
+
+    def view(x, cols):  # [HV, B, NT, C, cols] -> [B, HV, NT, C, cols]
+        return x.view(HV, B, NT, CHUNK, -1).permute(1, 0, 2, 3, 4)[..., :cols]
+
+    return dict(qg=view(qg, K), aqk=view(aqk, CHUNK), L=view(lmat, CHUNK))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The gram kernel's first version: one anchored product per 16 x 16 block
+
+
+@jit
+def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
+    """One block pair left of the diagonal: (k_a, q_a) rows scaled by 2^exponent (<= 0) against col^T."""
+    row_f = tl.exp2(exponent)
+    return _mm(k_a * row_f, tl.trans(col), PREC), _mm(q_a * row_f, tl.trans(col), PREC)
+
+
+@jit
+def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
+    """The chunk's four 16-row blocks of keys in key columns `cols` (`_key_block`), the within-block gate
+    cumsums l_a, the column factors c_a = k_a * 2^(s_a - l_a) of blocks 0..2 (s_a the block's gate sum) and
+    the block gate sums s_0..s_2 ([1, len(cols)])."""
+    rc = tl.arange(0, BC)
+    last = (rc == BC - 1)[:, None]
+    k0, l0, _ = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
+    k1, l1, _ = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
+    k2, l2, _ = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
+    k3, l3, _ = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
+    s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
+    s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
+    s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
+    c0, c1, c2 = k0 * tl.exp2(s0 - l0), k1 * tl.exp2(s1 - l1), k2 * tl.exp2(s2 - l2)
+    return k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2
+
+
+@jit
+def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, A_ROW: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """Row block A_ROW of L = Diag(beta) A and of Aqk: ad / qd the diagonal block, a1.. / q1.. the blocks
+    1, 2, 3 left of it. The blocks of L above the diagonal are not written (the inverse kernel never reads
+    them); those of Aqk are written as zeros (the scan reads whole rows)."""
+    rc = tl.arange(0, BC)
+    ta = A_ROW * BC + rc
+    b_a, _ = _clean(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
+    _store_block(
+        lmat, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] > rc[None, :], b_a * ad, 0.0)
+    )
+    _store_block(aqk, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] >= rc[None, :], qd, 0.0))
+    if A_ROW >= 1:
+        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, b_a * a1)
+        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, q1)
+    if A_ROW >= 2:
+        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, b_a * a2)
+        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, q2)
+    if A_ROW >= 3:
+        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, b_a * a3)
+        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, q3)
+    for c in range(A_ROW + 1, BT // BC):  # the blocks right of the diagonal
+        _store_block(aqk, row0, A_ROW, BC, BT, c * BC + rc, tl.zeros([BC, BC], dtype=tl.float32))
+
+
+@jit(do_not_specialize=["NT"])
+def gram16_kernel(
+    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """One program per (chunk, value head): the chunk's ten 16 x 16 blocks of A and Aqk on and below the
+    diagonal (twenty accumulators), KC key columns at a time, each key block loaded once per step, and qg.
+    Writes qg, Aqk whole and L = Diag(beta) A into lmat (`_store_l_aqk`). Block (a, c < a) is anchored at the
+    end boundary of block c (`_pair`, both exponents <= 0), the diagonal blocks at their middle row or in
+    the exact pairwise form (`_diag_grams`). The arguments are those of chunk.py's `_chunk_gram_kernel`."""
+    tl.static_assert(BT == 4 * BC)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
+    q_h = q + t0 * H * K + i_h * K
+    k_h = k + t0 * H * K + i_h * K
+    g_h = g + t0 * HV * K + i_hv * K
+    b_h = beta + t0 * HV + i_hv
+    rc = tl.arange(0, BC)
+    t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    a10, a20, a21, a30, a31, a32 = z, z, z, z, z, z
+    q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
+    a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
+    for kc in range(0, BK, KC):
+        cols = kc + tl.arange(0, KC)
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
+            k_h, g_h, cols, H, HV, K, n_t, BC
+        )
+        q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
+        q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k1, q1, l1, c0, PREC)
+        a10, q10 = a10 + x, q10 + y
+        q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k2, q2, l2 + s1, c0, PREC)
+        a20, q20 = a20 + x, q20 + y
+        x, y = _pair(k2, q2, l2, c1, PREC)
+        a21, q21 = a21 + x, q21 + y
+        q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+        x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
+        a30, q30 = a30 + x, q30 + y
+        x, y = _pair(k3, q3, l3 + s2, c1, PREC)
+        a31, q31 = a31 + x, q31 + y
+        x, y = _pair(k3, q3, l3, c2, PREC)
+        a32, q32 = a32 + x, q32 + y
+        x, y = _diag_grams(k0, q0, l0, BC, PREC)
+        a00, q00 = a00 + x, q00 + y
+        x, y = _diag_grams(k1, q1, l1, BC, PREC)
+        a11, q11 = a11 + x, q11 + y
+        x, y = _diag_grams(k2, q2, l2, BC, PREC)
+        a22, q22 = a22 + x, q22 + y
+        x, y = _diag_grams(k3, q3, l3, BC, PREC)
+        a33, q33 = a33 + x, q33 + y
+        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a00, z, z, z, q00, z, z, z, 0, BT, BC)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a11, a10, z, z, q11, q10, z, z, 1, BT, BC)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a22, a21, a20, z, q22, q21, q20, z, 2, BT, BC)
+    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a33, a32, a31, a30, q33, q32, q31, q30, 3, BT, BC)
+
+
+@contextmanager
+def gram_kernel_swapped(kernel):
+    """Inside the block, chunk.py's launchers (`prepare_chunks`, so `chunk_kda_fwd` and the backward) launch
+    `kernel` (it takes `_chunk_gram_kernel`'s arguments) where they launch their gram kernel; chunk.py as it
+    was afterwards."""
+    with mock.patch.object(chunk, "_chunk_gram_kernel", kernel):
+        yield
+
+
+def blocks16_forward(q, k, v, g, beta, scale, initial_state, output_final_state, **knobs):
+    """`chunk_kda_fwd` with `gram16_kernel` as its gram kernel: the forward before the gram kernel multiplied
+    64-row tiles. Same arguments (and tuning knobs, `info` among them) and result as `chunk_kda_fwd`."""
+    with gram_kernel_swapped(gram16_kernel):
+        return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, **knobs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ladder: every version of the forward, in the order the chapter builds them
+
+# name -> (launcher, what this version changed). Every launcher takes validated inputs
+# (q, k, v, g, beta, scale, initial_state, output_final_state) and `info=` (a dict that receives the compiled
+# kernels' registers), and returns (o, final_state).
+LADDER = {
+    "v0": (
+        v0_forward,
+        "one program per chunk holds all 64 rows; A and Aqk one key channel at a time with whole pairwise "
+        "decays; (I + L)^-1 by 64-row forward substitution; one program per head carries the whole state",
+    ),
+    "blocks16": (
+        blocks16_forward,
+        "three prepare kernels and a scan: A and Aqk as one anchored tensor-core product per 16 x 16 block "
+        "(gram16_kernel, twenty accumulators), (I + L)^-1 from 16 x 16 blocks, w and u as whole-chunk "
+        "products, 16-bit intermediates, the state split over blocks of value columns",
+    ),
+    "chunk_kda": (
+        chunk_kda_fwd,
+        "kda_edu.kernels.chunk: as blocks16, but the gram kernel multiplies whole 64-row tiles (two 64 x 64 "
+        "accumulators): three masked products left of the diagonal and one anchored product kept on the "
+        "diagonal blocks, per step of key columns",
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The 64-row gram kernel's products, in PyTorch
+
+LOG2E = 1 / math.log(2)
+
+
+def _block_gates(g: torch.Tensor, sub: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Base-2 gate cumsums within each block of `sub` rows (l, `[..., C, K]`) and the gate sum of each
+    block (s, `[..., C / sub, K]`), from natural-log gates `[..., C, K]`."""
+    lb = (g * LOG2E).unflatten(-2, (-1, sub)).cumsum(-2)
+    return lb.flatten(-3, -2), lb[..., -1, :]
+
+
+def left_of_diagonal(q, k, g, c: int, sub: int = SUB) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks (a, c) of A and Aqk for every row block a > c, as `_left_of_diagonal` forms them: one product of
+    all C rows against all C columns, every row outside the blocks after c and every column outside block c
+    scaled by 2^-inf = 0.
+
+    q (scaled), k: `[..., C, K]`; g: the chunk's natural-log gates `[..., C, K]`. Row i (in block a > c) is
+    scaled by 2^(the gates from the end of block c to i), column j (in block c) by 2^(the gates after j within
+    block c): both exponents <= 0. Returns `(A_c, Aqk_c)`, `[..., C, C]`, zero outside blocks (a > c, c).
+    """
+    l, s = _block_gates(g, sub)
+    blk = (torch.arange(k.shape[-2], device=k.device) // sub)[:, None]  # each row's block, [C, 1]
+    between = torch.cat([torch.zeros_like(s[..., :1, :]), s.cumsum(-2)], -2)  # gates of the blocks before b
+    row_exp = l + between[..., blk[:, 0], :] - between[..., c + 1 : c + 2, :]
+    col = k * torch.exp2(torch.where(blk == c, s[..., c : c + 1, :] - l, -math.inf))
+    row_f = torch.exp2(torch.where(blk > c, row_exp, -math.inf))
+    return (k * row_f) @ col.mT, (q * row_f) @ col.mT
+
+
+def diagonal_product(q, k, g, sub: int = SUB) -> tuple[torch.Tensor, torch.Tensor]:
+    """The anchored product the gram kernel keeps on the diagonal blocks, whole: every row and column scaled by
+    2^(its gate cumsum from its own block's middle row), `(Mk, Mq)`, `[..., C, C]` (shapes as in
+    `left_of_diagonal`). Inside a diagonal block, on and below the diagonal, both factors share one anchor and
+    the entries are A's and Aqk's. Elsewhere they share none: entry (i, j) is the wanted decay times
+    2^(m_c - m_a), m_a and m_c the cumsums at the middle rows of i's and j's blocks, or (above the diagonal) a
+    decay that grows instead of shrinking; the kernel discards them."""
+    l, _ = _block_gates(g, sub)
+    mid = l[..., sub // 2 :: sub, :].repeat_interleave(sub, dim=-2)  # each row's block middle
+    d = l - mid
+    col = k * torch.exp2(-d)
+    return (k * torch.exp2(d)) @ col.mT, (q * torch.exp2(d)) @ col.mT
+
+
+def diagonal_spans(g: torch.Tensor, kc: int = 32, sub: int = SUB) -> torch.Tensor:
+    """The largest |exponent| of the gram kernel's anchored diagonal product, in powers of two, per chunk and
+    step of `kc` key columns: the largest gate sum from a row to its block's middle row, with the gates
+    raised to GATE_FLOOR as the kernels load them. A step above `chunk.DIAG_LIMIT` takes the per-block path.
+
+    g: natural-log gates `[B, T, HV, K]`. Returns `[B, HV, NT, ceil(K / kc)]`.
+    """
+    g = to_chunks(g.clamp(min=GATE_FLOOR[torch.float32]), CHUNK, torch.float64)  # [B, HV, NT, C, K]
+    l, _ = _block_gates(g, sub)
+    mid = l[..., sub // 2 :: sub, :].repeat_interleave(sub, dim=-2)
+    span = (l - mid).abs().amax(dim=-2)  # [B, HV, NT, K]
+    return torch.nn.functional.pad(span, (0, -span.shape[-1] % kc)).unflatten(-1, (-1, kc)).amax(dim=-1)
+
+
+def gram64(q, k, g, sub: int = SUB) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (without beta; strictly lower triangular) and Aqk (lower triangular) as the 64-row gram kernel forms
+    them on its hot path: the three `left_of_diagonal` products summed, plus the diagonal blocks of
+    `diagonal_product` (selected, so that its other entries, however large, never enter)."""
+    C = k.shape[-2]
+    blk = torch.arange(C, device=k.device) // sub
+    on_diag = blk[:, None] == blk[None, :]
+    A, Aqk = 0, 0
+    for c in range(C // sub - 1):
+        x, y = left_of_diagonal(q, k, g, c, sub)
+        A, Aqk = A + x, Aqk + y
+    Mk, Mq = diagonal_product(q, k, g, sub)
+    A, Aqk = A + torch.where(on_diag, Mk, 0.0), Aqk + torch.where(on_diag, Mq, 0.0)
+    r = torch.arange(C, device=k.device)
+    return torch.where(r[:, None] > r[None, :], A, 0.0), torch.where(r[:, None] >= r[None, :], Aqk, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,9 +524,10 @@ def design_traffic(K: int, V: int, C: int = CHUNK, in_bytes: int = 2, mid_bytes:
     `in_bytes`: element size of q, k, v, beta and o (2 for bfloat16); g is float32. `mid_bytes`: element size
     of the intermediates w, qg, kd (K columns), u (V columns) and Aqk (C columns; the gram kernel writes the
     whole row, zeros above the diagonal, and the scan reads it). exp(gc_C) is float32, K numbers per chunk.
-    L and X are float32 and go through the x buffer: the gram kernel writes the blocks of L on and below the
-    diagonal (on average (C / 16 + 1) / 2 blocks of 16 columns per row), the inverse kernel reads them and
-    writes X whole (zeros above), the w/u kernel reads X whole. The w/u kernel reads k, g and beta again: a
+    L and X are float32 and go through the x buffer: the gram kernel writes L whole (its 64 x 64 accumulator,
+    zeros on and above the diagonal), the inverse kernel reads the blocks on and below the diagonal (on
+    average (C / 16 + 1) / 2 blocks of 16 columns per row) and writes X whole (zeros above), the w/u kernel
+    reads X whole. The w/u kernel reads k, g and beta again: a
     separate launch, long after the gram kernel read them (at the benchmark's shapes k and g alone are
     larger than the H200's 50 MB L2 cache), so the second read is counted as memory traffic.
     """
@@ -247,7 +535,7 @@ def design_traffic(K: int, V: int, C: int = CHUNK, in_bytes: int = 2, mid_bytes:
     l_cols = (C // SUB + 1) * SUB / 2  # columns of L on and below the diagonal, per row on average
     return {
         "gram reads q, k, g, beta": in_bytes * (2 * K + 1) + 4 * K,
-        "gram writes qg, Aqk, L": mid_bytes * (K + C) + 4 * l_cols,
+        "gram writes qg, Aqk, L": mid_bytes * (K + C) + 4 * C,
         "inverse reads L, writes X": 4 * l_cols + 4 * C,
         "w/u reads k, v, g, beta, X": in_bytes * (K + V + 1) + 4 * K + 4 * C,
         "w/u writes w, u, kd, exp(gc_C)": mid_bytes * (2 * K + V) + 4 * K / C,
@@ -273,12 +561,27 @@ def inverse_products(C: int = CHUNK, sub: int = SUB) -> int:
     return sum((a - c) + 1 for a in range(nb) for c in range(a))
 
 
-def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, float]:
-    """FLOPs per token and value head of the four kernels, by phase (2 FLOPs per multiply-add)."""
+def gram_block_flops(K: int, C: int = CHUNK, sub: int = SUB) -> float:
+    """FLOPs per token and head of the gram kernel's useful products: the blocks (a, c <= a) of A and Aqk,
+    sub x sub each, over K key channels (what `gram16_kernel` multiplies; 2 FLOPs per multiply-add)."""
     nb = C // sub  # blocks of rows per chunk
     pairs = nb * (nb + 1) // 2  # blocks (a, c) with c <= a: A and Aqk each, [sub, K] x [K, sub]
+    return pairs * 2 * 2 * sub * sub * K / C
+
+
+def design_flops(K: int, V: int, C: int = CHUNK, sub: int = SUB) -> dict[str, float]:
+    """FLOPs per token and value head of the four kernels, by phase, as they execute them (2 FLOPs per
+    multiply-add; products of whole tiles counted whole, their zeros included).
+
+    The gram kernel's hot path: per step of key columns, for each column block c < C / sub - 1 a pair of
+    C x C products (A and Aqk) whose rows and columns outside blocks (a > c, c) are zeros, and one anchored
+    pair of which only the diagonal blocks are kept (`left_of_diagonal`, `diagonal_product`); its per-block
+    path for very strong gates is not counted. `gram_block_flops` is the useful part.
+    """
+    nb = C // sub  # blocks of rows per chunk
     return {
-        "gram: A and Aqk blocks": pairs * 2 * 2 * sub * sub * K / C,
+        "gram: A, Aqk left of the diagonal (masked)": (nb - 1) * 2 * 2 * C * C * K / C,
+        "gram: A, Aqk diagonal blocks (anchored)": 2 * 2 * C * C * K / C,
         # forward substitution: sub - 1 row steps, each a masked [sub, sub] multiply and column sum
         "inverse: diagonal block inverses": nb * (sub - 1) * 2 * sub * sub / C,
         "inverse: blocks of X left of the diagonal": inverse_products(C, sub) * 2 * sub**3 / C,
@@ -503,8 +806,6 @@ def _count_sm90(job: dict) -> dict[str, int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kda_edu.kernels.chunk import KERNELS
-
     if job["kernel"] in ("tile_product", "tile_product_tma"):
         kernel = tile_product if job["kernel"] == "tile_product" else tile_product_tma
         spec = dict(
@@ -512,6 +813,8 @@ def _count_sm90(job: dict) -> dict[str, int]:
             constexprs=dict(M=job["M"], N=job["N"], KK=job["K"]),
             options=dict(num_warps=job["warps"]),
         )
+    elif job["kernel"] == "gram16":  # launched in the gram kernel's place, with its arguments
+        kernel, spec = gram16_kernel, _compile_specs()["gram"]
     else:
         kernel, spec = KERNELS[job["kernel"]], _compile_specs()[job["kernel"]]
     signature = spec["signature"] | dict.fromkeys(spec["constexprs"], "constexpr")
@@ -523,7 +826,8 @@ def _count_sm90(job: dict) -> dict[str, int]:
 def hopper_instructions(jobs: list[dict]) -> list[dict[str, int]]:
     """Compile kernels for the H200 (sm_90) without a GPU and count, in each one's PTX, the instructions of
     `PTX_COUNTS`. A job is `{"kernel": name}` with name one of "gram", "inverse", "wu", "scan" (chunk_kda's kernels as
-    `_compile_specs` launches them) or `{"kernel": "tile_product", "M": .., "N": .., "K": .., "warps": ..}` (or `"tile_product_tma"`).
+    `_compile_specs` launches them) or "gram16" (`gram16_kernel`, launched as "gram"), or
+    `{"kernel": "tile_product", "M": .., "N": .., "K": .., "warps": ..}` (or `"tile_product_tma"`).
 
     The compiler runs in a fresh Python: where there is no GPU this process builds kda_edu's kernels for the
     interpreter, which cannot be compiled; the fresh one is told to build them as on a GPU machine

@@ -237,9 +237,9 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
     forward's three prepare kernels run again (`kda_edu.kernels.chunk.prepare_chunks`, keeping the X buffer
     the inverse kernel writes anyway), counted as chapter 8 counts the kernels
     (`kda_edu.chapters.ch08_chunk_kernel.design_flops`, whose entries are named by kernel): gram, inverse and
-    wu. X costs nothing beyond them. The forward it is compared with is all four kernels: the scan's products against the state and
-    against U are most of its FLOPs. The inputs the Triton backward saves instead are q, k, v (input dtype),
-    g (float32) and beta (input dtype).
+    wu. X costs nothing beyond them. The forward it is compared with is all four kernels: the scan's products
+    against the state and against U, and the gram kernel's masked 64-row products, are most of its FLOPs.
+    The inputs the Triton backward saves instead are q, k, v (input dtype), g (float32) and beta (input dtype).
 
     Returns:
         `{"stored": {name: bytes}, "stored_bytes", "saved_input_bytes", "recompute_flops": {kernel: FLOPs},

@@ -57,17 +57,17 @@ from kda_edu.kernels.chunk import (
     CHUNK,
     KERNELS,
     SUB,
-    _clean,
-    _diag_grams,
-    _key_block,
-    _mm,
-    _store_block,
     chunk_kda_fwd,
     chunk_layout,
     chunk_program,
+    clean_nonfinite,
+    diag_grams,
+    key_block,
     load_rows,
     pow2,
     prepare_chunks,
+    store_block,
+    tile_mm,
 )
 from kda_edu.ops._checks import GATE_FLOOR
 from kda_edu.ops._chunks import chunk_inputs, to_chunks
@@ -200,20 +200,20 @@ def gram(q, k, g, beta, scale: float | None = None, kc: int | None = None, kerne
 def _pair(k_a, q_a, exponent, col, PREC: tl.constexpr):
     """One block pair left of the diagonal: (k_a, q_a) rows scaled by 2^exponent (<= 0) against col^T."""
     row_f = tl.exp2(exponent)
-    return _mm(k_a * row_f, tl.trans(col), PREC), _mm(q_a * row_f, tl.trans(col), PREC)
+    return tile_mm(k_a * row_f, tl.trans(col), PREC), tile_mm(q_a * row_f, tl.trans(col), PREC)
 
 
 @jit
 def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
-    """The chunk's four 16-row blocks of keys in key columns `cols` (`_key_block`), the within-block gate
+    """The chunk's four 16-row blocks of keys in key columns `cols` (`key_block`), the within-block gate
     cumsums l_a, the column factors c_a = k_a * 2^(s_a - l_a) of blocks 0..2 (s_a the block's gate sum) and
     the block gate sums s_0..s_2 ([1, len(cols)])."""
     rc = tl.arange(0, BC)
     last = (rc == BC - 1)[:, None]
-    k0, l0, _ = _key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
-    k1, l1, _ = _key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
-    k2, l2, _ = _key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
-    k3, l3, _ = _key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
+    k0, l0, _ = key_block(k_h, g_h, rc, cols, H, HV, K, n_t)
+    k1, l1, _ = key_block(k_h, g_h, BC + rc, cols, H, HV, K, n_t)
+    k2, l2, _ = key_block(k_h, g_h, 2 * BC + rc, cols, H, HV, K, n_t)
+    k3, l3, _ = key_block(k_h, g_h, 3 * BC + rc, cols, H, HV, K, n_t)
     s0 = tl.sum(tl.where(last, l0, 0.0), axis=0)[None, :]
     s1 = tl.sum(tl.where(last, l1, 0.0), axis=0)[None, :]
     s2 = tl.sum(tl.where(last, l2, 0.0), axis=0)[None, :]
@@ -229,22 +229,22 @@ def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, 
     them); those of Aqk are written as zeros (the scan reads whole rows)."""
     rc = tl.arange(0, BC)
     ta = A_ROW * BC + rc
-    b_a, _ = _clean(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
-    _store_block(
+    b_a, _ = clean_nonfinite(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
+    store_block(
         lmat, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] > rc[None, :], b_a * ad, 0.0)
     )
-    _store_block(aqk, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] >= rc[None, :], qd, 0.0))
+    store_block(aqk, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] >= rc[None, :], qd, 0.0))
     if A_ROW >= 1:
-        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, b_a * a1)
-        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, q1)
+        store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, b_a * a1)
+        store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 1) * BC + rc, q1)
     if A_ROW >= 2:
-        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, b_a * a2)
-        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, q2)
+        store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, b_a * a2)
+        store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 2) * BC + rc, q2)
     if A_ROW >= 3:
-        _store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, b_a * a3)
-        _store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, q3)
+        store_block(lmat, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, b_a * a3)
+        store_block(aqk, row0, A_ROW, BC, BT, (A_ROW - 3) * BC + rc, q3)
     for c in range(A_ROW + 1, BT // BC):  # the blocks right of the diagonal
-        _store_block(aqk, row0, A_ROW, BC, BT, c * BC + rc, tl.zeros([BC, BC], dtype=tl.float32))
+        store_block(aqk, row0, A_ROW, BC, BT, c * BC + rc, tl.zeros([BC, BC], dtype=tl.float32))
 
 
 @jit(do_not_specialize=["NT"])
@@ -257,7 +257,7 @@ def gram16_kernel(
     diagonal (twenty accumulators), KC key columns at a time, each key block loaded once per step, and qg.
     Writes qg, Aqk whole and L = Diag(beta) A into lmat (`_store_l_aqk`). Block (a, c < a) is anchored at the
     end boundary of block c (`_pair`, both exponents <= 0), the diagonal blocks at their middle row or in
-    the exact pairwise form (`_diag_grams`). The arguments are those of chunk.py's `_chunk_gram_kernel`."""
+    the exact pairwise form (`diag_grams`). The arguments are those of chunk.py's `_chunk_gram_kernel`."""
     tl.static_assert(BT == 4 * BC)
     i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
@@ -291,18 +291,18 @@ def gram16_kernel(
         a31, q31 = a31 + x, q31 + y
         x, y = _pair(k3, q3, l3, c2, PREC)
         a32, q32 = a32 + x, q32 + y
-        x, y = _diag_grams(k0, q0, l0, BC, PREC)
+        x, y = diag_grams(k0, q0, l0, BC, PREC)
         a00, q00 = a00 + x, q00 + y
-        x, y = _diag_grams(k1, q1, l1, BC, PREC)
+        x, y = diag_grams(k1, q1, l1, BC, PREC)
         a11, q11 = a11 + x, q11 + y
-        x, y = _diag_grams(k2, q2, l2, BC, PREC)
+        x, y = diag_grams(k2, q2, l2, BC, PREC)
         a22, q22 = a22 + x, q22 + y
-        x, y = _diag_grams(k3, q3, l3, BC, PREC)
+        x, y = diag_grams(k3, q3, l3, BC, PREC)
         a33, q33 = a33 + x, q33 + y
-        _store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
-        _store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
-        _store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
-        _store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
+        store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
+        store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
+        store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
+        store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
     _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a00, z, z, z, q00, z, z, z, 0, BT, BC)
     _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a11, a10, z, z, q11, q10, z, z, 1, BT, BC)
     _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a22, a21, a20, z, q22, q21, q20, z, 2, BT, BC)

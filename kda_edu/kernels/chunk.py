@@ -63,7 +63,7 @@ Kernel 3 has no anchor to respect (exp(gc) <= 1) and multiplies whole chunks. Th
 timings are in bench/NOTES.md; the current timings in bench/results/h200_forward_split.json.
 
 Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
-operands to bfloat16 (`_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
+operands to bfloat16 (`tile_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
 its 8-bit mantissa matches the 16-bit intermediates it feeds), kernels 2 and 3 use tf32, and the products
 against the state use the 16-bit dtype, all with float32 accumulation. With float32 inputs every product is
 exact float32 ("ieee"). Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
@@ -170,7 +170,7 @@ def _unit_lower_inverse(L0, L1, L2, L3, BC: tl.constexpr):
 
 
 @jit
-def _clean(x):
+def clean_nonfinite(x):
     """x with its NaN and inf entries replaced by 0, and a flag per row: 1.0 where the row had one."""
     ok = tl.abs(x) < float("inf")
     return tl.where(ok, x, 0.0), tl.max(tl.where(ok, 0.0, 1.0), axis=1)
@@ -204,7 +204,7 @@ def _pairwise_column(k_a, gc_a, j, rc):
 
 
 @jit
-def _mm(a, b, PREC: tl.constexpr):
+def tile_mm(a, b, PREC: tl.constexpr):
     """a @ b in float32 accumulation; PREC "bf16" rounds both operands to bfloat16 first (float32's range)."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
@@ -213,7 +213,7 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @jit
-def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
+def diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
     """The 16 x 16 diagonal blocks of the two gated Gram matrices of one block of rows, together:
     Mk_ij = sum_c k_ic k_jc 2^(gc_ic - gc_jc) and Mq_ij = sum_c q_ic k_jc 2^(gc_ic - gc_jc) (entries j > i are
     junk). Anchored at the block's middle row when its half-block gate sums allow it (`diag_span`), else the
@@ -222,8 +222,8 @@ def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
     if span <= DIAG_LIMIT:
         col = tl.trans(k_a * tl.exp2(mid[None, :] - gc_a))
         row_f = tl.exp2(gc_a - mid[None, :])
-        Mk = _mm(k_a * row_f, col, PREC)
-        Mq = _mm(q_a * row_f, col, PREC)
+        Mk = tile_mm(k_a * row_f, col, PREC)
+        Mq = tile_mm(q_a * row_f, col, PREC)
     else:  # exact pairwise form, one column at a time, exponent clipped at 0 (only rows i < j clip)
         rc = tl.arange(0, BC)
         Mk = tl.zeros([BC, BC], dtype=tl.float32)
@@ -236,17 +236,17 @@ def _diag_grams(k_a, q_a, gc_a, BC: tl.constexpr, PREC: tl.constexpr):
 
 
 @jit
-def _store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
+def store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
     """Store a [BC, len(cols)] tile as rows row0 + a * BC ... of a buffer with n_cols columns."""
     r = (row0 + a * BC + tl.arange(0, BC)).to(tl.int64)
     tl.store(ptr + r[:, None] * n_cols + cols[None, :], x.to(ptr.dtype.element_ty))
 
 
 @jit
-def _key_block(k_h, g_h, t, cols, H, HV, K, n_t):
+def key_block(k_h, g_h, t, cols, H, HV, K, n_t):
     """Rows t of the keys and the base-2 gate cumsum over them in key columns `cols` (gates through `base2_gates`),
     with NaN / inf keys and NaN / +inf gates replaced by 0, and a flag per row: 1.0 where it had one."""
-    k, bad = _clean(load_rows(k_h, t, H * K, cols, K, n_t).to(tl.float32))
+    k, bad = clean_nonfinite(load_rows(k_h, t, H * K, cols, K, n_t).to(tl.float32))
     g = load_rows(g_h, t, HV * K, cols, K, n_t).to(tl.float32)
     ok = g < float("inf")
     bad = tl.maximum(bad, tl.max(tl.where(ok, 0.0, 1.0), axis=1))
@@ -280,13 +280,13 @@ def _left_of_diagonal(k, q, l, blk, row_exp, s_c, c: tl.constexpr, PREC: tl.cons
     column is an exact 0 (exponent -inf), so the product is 0 outside those blocks."""
     col = tl.trans(k * tl.exp2(tl.where(blk == c, s_c - l, float("-inf"))))
     row_f = tl.exp2(tl.where(blk > c, row_exp, float("-inf")))
-    return _mm(k * row_f, col, PREC), _mm(q * row_f, col, PREC)
+    return tile_mm(k * row_f, col, PREC), tile_mm(q * row_f, col, PREC)
 
 
 @jit
 def _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC: tl.constexpr, PREC: tl.constexpr):
-    """The four diagonal 16 x 16 blocks of A and Aqk for one step of key columns, each from `_diag_grams` on
-    its block reloaded by `_key_block` (anchored at its middle row, or the exact pairwise form when its
+    """The four diagonal 16 x 16 blocks of A and Aqk for one step of key columns, each from `diag_grams` on
+    its block reloaded by `key_block` (anchored at its middle row, or the exact pairwise form when its
     half-block gate sum is too large), placed into [4 BC, 4 BC] tiles with zeros off the diagonal blocks.
     The gram kernel takes this path only for steps with gates below about -8.3 per step, or a reset."""
     rc = tl.arange(0, BC)
@@ -297,9 +297,9 @@ def _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC: tl.constexpr,
     Dk = tl.zeros([4, BC, 4, BC], dtype=tl.float32)
     Dq = tl.zeros([4, BC, 4, BC], dtype=tl.float32)
     for a in tl.static_range(4):
-        k_a, l_a, _ = _key_block(k_h, g_h, a * BC + rc, cols, H, HV, K, n_t)
+        k_a, l_a, _ = key_block(k_h, g_h, a * BC + rc, cols, H, HV, K, n_t)
         q_a = load_rows(q_h, a * BC + rc, H * K, cols, K, n_t).to(tl.float32) * scale
-        Mk, Mq = _diag_grams(k_a, q_a, l_a, BC, PREC)
+        Mk, Mq = diag_grams(k_a, q_a, l_a, BC, PREC)
         here = (a_id == a) & (c_id == a)
         Dk = tl.where(here, Mk[None, :, None, :], Dk)
         Dq = tl.where(here, Mq[None, :, None, :], Dq)
@@ -338,7 +338,7 @@ def _chunk_gram_kernel(
     Aq = tl.zeros([BT, BT], dtype=tl.float32)
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k_c, _ = _clean(load_rows(k_h, r, H * K, cols, K, n_t).to(tl.float32))
+        k_c, _ = clean_nonfinite(load_rows(k_h, r, H * K, cols, K, n_t).to(tl.float32))
         q_c = load_rows(q_h, r, H * K, cols, K, n_t).to(tl.float32) * scale
         g_c = load_rows(g_h, r, HV * K, cols, K, n_t).to(tl.float32)
         l = _block_cumsum(tl.where(g_c < float("inf"), base2_gates(g_c), 0.0), BC)
@@ -358,19 +358,19 @@ def _chunk_gram_kernel(
         if tl.max(tl.max(tl.abs(d), axis=1), axis=0) <= DIAG_LIMIT:
             col = tl.trans(k_c * tl.exp2(-d))
             row_f = tl.exp2(d)
-            A += tl.where(on_diag, _mm(k_c * row_f, col, PREC), 0.0)
-            Aq += tl.where(on_diag, _mm(q_c * row_f, col, PREC), 0.0)
+            A += tl.where(on_diag, tile_mm(k_c * row_f, col, PREC), 0.0)
+            Aq += tl.where(on_diag, tile_mm(q_c * row_f, col, PREC), 0.0)
         else:
             x, y = _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC, PREC)
             A, Aq = A + x, Aq + y
 
         # qg = q 2^(gc), gc the cumsum from the chunk start: l plus the sums of the blocks before (<= 0).
         gc = l + _per_block(blk, 0.0, s0, s0 + s1, s0 + s1 + s2)
-        _store_block(qg, row0, 0, BT, BK, cols, q_c * tl.exp2(gc))
+        store_block(qg, row0, 0, BT, BK, cols, q_c * tl.exp2(gc))
 
-    b, _ = _clean(tl.load(b_h + r * HV, mask=r < n_t, other=0.0).to(tl.float32)[:, None])
-    _store_block(lmat, row0, 0, BT, BT, r, tl.where(r[:, None] > r[None, :], b * A, 0.0))
-    _store_block(aqk, row0, 0, BT, BT, r, tl.where(r[:, None] >= r[None, :], Aq, 0.0))
+    b, _ = clean_nonfinite(tl.load(b_h + r * HV, mask=r < n_t, other=0.0).to(tl.float32)[:, None])
+    store_block(lmat, row0, 0, BT, BT, r, tl.where(r[:, None] > r[None, :], b * A, 0.0))
+    store_block(aqk, row0, 0, BT, BT, r, tl.where(r[:, None] >= r[None, :], Aq, 0.0))
 
 
 @jit
@@ -427,22 +427,22 @@ def _chunk_inverse_kernel(
     tl.debug_barrier()  # every thread has read L before any overwrites it
     rc = tl.arange(0, BC)
     z = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_block(lmat, row0, 0, BC, BT, rc, x0)
-    _store_block(lmat, row0, 1, BC, BT, rc, x10)
-    _store_block(lmat, row0, 2, BC, BT, rc, x20)
-    _store_block(lmat, row0, 3, BC, BT, rc, x30)
-    _store_block(lmat, row0, 0, BC, BT, BC + rc, z)
-    _store_block(lmat, row0, 1, BC, BT, BC + rc, x1)
-    _store_block(lmat, row0, 2, BC, BT, BC + rc, x21)
-    _store_block(lmat, row0, 3, BC, BT, BC + rc, x31)
-    _store_block(lmat, row0, 0, BC, BT, 2 * BC + rc, z)
-    _store_block(lmat, row0, 1, BC, BT, 2 * BC + rc, z)
-    _store_block(lmat, row0, 2, BC, BT, 2 * BC + rc, x2)
-    _store_block(lmat, row0, 3, BC, BT, 2 * BC + rc, x32)
-    _store_block(lmat, row0, 0, BC, BT, 3 * BC + rc, z)
-    _store_block(lmat, row0, 1, BC, BT, 3 * BC + rc, z)
-    _store_block(lmat, row0, 2, BC, BT, 3 * BC + rc, z)
-    _store_block(lmat, row0, 3, BC, BT, 3 * BC + rc, x3)
+    store_block(lmat, row0, 0, BC, BT, rc, x0)
+    store_block(lmat, row0, 1, BC, BT, rc, x10)
+    store_block(lmat, row0, 2, BC, BT, rc, x20)
+    store_block(lmat, row0, 3, BC, BT, rc, x30)
+    store_block(lmat, row0, 0, BC, BT, BC + rc, z)
+    store_block(lmat, row0, 1, BC, BT, BC + rc, x1)
+    store_block(lmat, row0, 2, BC, BT, BC + rc, x21)
+    store_block(lmat, row0, 3, BC, BT, BC + rc, x31)
+    store_block(lmat, row0, 0, BC, BT, 2 * BC + rc, z)
+    store_block(lmat, row0, 1, BC, BT, 2 * BC + rc, z)
+    store_block(lmat, row0, 2, BC, BT, 2 * BC + rc, x2)
+    store_block(lmat, row0, 3, BC, BT, 2 * BC + rc, x32)
+    store_block(lmat, row0, 0, BC, BT, 3 * BC + rc, z)
+    store_block(lmat, row0, 1, BC, BT, 3 * BC + rc, z)
+    store_block(lmat, row0, 2, BC, BT, 3 * BC + rc, z)
+    store_block(lmat, row0, 3, BC, BT, 3 * BC + rc, x3)
 
 
 @jit(do_not_specialize=["NT"])
@@ -489,12 +489,12 @@ def _chunk_wu_kernel(
     rows = tl.arange(0, BT)
     r = (row0 + rows).to(tl.int64)[:, None]
     X = tl.load(xmat + r * BT + rows[None, :])
-    b, bad = _clean(
+    b, bad = clean_nonfinite(
         tl.load(beta + t0 * HV + i_hv + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)[:, None]
     )
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
-        k_c, bad_k = _clean(load_rows(k_h, rows, H * K, cols, K, n_t).to(tl.float32))
+        k_c, bad_k = clean_nonfinite(load_rows(k_h, rows, H * K, cols, K, n_t).to(tl.float32))
         g_c = load_rows(g_h, rows, HV * K, cols, K, n_t).to(tl.float32)
         ok = g_c < float("inf")
         g_c = tl.where(ok, base2_gates(g_c), 0.0)
@@ -509,14 +509,14 @@ def _chunk_wu_kernel(
             after = tl.sum(g_c, axis=0)[None, :] - gc
         else:
             after = tl.cumsum(g_next, axis=0, reverse=True)  # gc_C - gc_j: the gates after j
-        w_c = _mm(X, b * k_c * tl.exp2(gc), PREC)
+        w_c = tile_mm(X, b * k_c * tl.exp2(gc), PREC)
         tl.store(w + r * BK + cols[None, :], w_c.to(w.dtype.element_ty))
         tl.store(kd + r * BK + cols[None, :], (k_c * tl.exp2(after)).to(kd.dtype.element_ty))
         tl.store(gl + row0 // BT * BK + cols, tl.exp2(tl.sum(g_c, axis=0)))
     for vc in range(0, BV, VC):
         cols = vc + tl.arange(0, VC)
-        v_c, bad_v = _clean(load_rows(v_h, rows, HV * V, cols, V, n_t).to(tl.float32))
-        u_c = _spoil(_mm(X, b * v_c, PREC), bad + bad_v)
+        v_c, bad_v = clean_nonfinite(load_rows(v_h, rows, HV * V, cols, V, n_t).to(tl.float32))
+        u_c = _spoil(tile_mm(X, b * v_c, PREC), bad + bad_v)
         tl.store(u + r * BV + cols[None, :], u_c.to(u.dtype.element_ty))
 
 
@@ -599,7 +599,7 @@ def _chunk_scan_kernel(
         # A row of U that is not finite (a bad input at that step, marked by the prepare kernel) spoils the
         # outputs from it on and the state; Aqk U reads the rows with it replaced by 0 (Aqk's zeros above the
         # diagonal times a NaN would spoil the earlier outputs too), and the later outputs are set to NaN.
-        u_ok, bad = _clean(u_n)
+        u_ok, bad = clean_nonfinite(u_n)
         o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(a_n, u_ok.to(w_n.dtype), input_precision=PREC)
         o_n = _spoil(o_n, tl.cumsum(bad, axis=0))
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)

@@ -472,6 +472,7 @@ def _chunk_wu_kernel(
     PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     KD_TOTAL: tl.constexpr = False,
+    U_PREC: tl.constexpr = "tf32",
 ):
     """One program per (chunk, value head): the UT transform as whole-chunk products against X.
 
@@ -516,7 +517,7 @@ def _chunk_wu_kernel(
     for vc in range(0, BV, VC):
         cols = vc + tl.arange(0, VC)
         v_c, bad_v = clean_nonfinite(load_rows(v_h, rows, HV * V, cols, V, n_t).to(tl.float32))
-        u_c = _spoil(tile_mm(X, b * v_c, PREC), bad + bad_v)
+        u_c = _spoil(tile_mm(X, b * v_c, U_PREC), bad + bad_v)
         tl.store(u + r * BV + cols[None, :], u_c.to(u.dtype.element_ty))
 
 
@@ -769,6 +770,7 @@ def prepare_chunks(
     store_x=False,
     kc=None,
     warps=(4, 1, 4),
+    wu_prec=None,
 ):
     """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
     backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
@@ -799,10 +801,18 @@ def prepare_chunks(
     if NCH == 0:
         buffers["x"] = buffers["x"] if store_x else None
         return buffers, {}
-    kc = min(kc or 32, BK)
     w, u, qg, kd, aqk, gl, x = buffers.values()
     varlen = chunks is not None
     low = "bf16" if idt != torch.float32 else prec  # the gram kernel's products (see the module docstring)
+    kc = min(kc or 32, BK)
+    vc = min(kc, BVP)
+    # The w/u kernel's products: `wu_prec` "bf16" rounds X and the right-hand tile to bfloat16 (16-bit inputs
+    # only), each product only where its tile has >= 32 columns: Triton 3.6's bfloat16 product of 64 x 64 by
+    # 64 x 16 hits an illegal address on the H200 (bench/experiments/wu_bf16_repro.py).
+    w_prec = u_prec = prec
+    if wu_prec == "bf16" and idt != torch.float32:
+        w_prec = "bf16" if kc >= 32 else prec
+        u_prec = "bf16" if vc >= 32 else prec
     kernels = dict(
         gram=_chunk_gram_kernel[(NCH, HV)](
             q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale,
@@ -811,7 +821,7 @@ def prepare_chunks(
         inverse=_chunk_inverse_kernel[(NCH, HV)](x, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
         wu=_chunk_wu_kernel[(NCH, HV)](
             k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH,
-            BT=BT, BK=BK, BV=BVP, KC=kc, VC=min(kc, BVP), PREC=prec, KD_TOTAL=idt != torch.float32,
+            BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,
             IS_VARLEN=varlen, num_warps=warps[2],
         ),
     )  # fmt: skip
@@ -833,6 +843,7 @@ KERNELS = {
 def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
     bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
+    wu_prec=None,
 ):  # fmt: skip
     """Launch the four kernels on validated inputs.
 
@@ -857,7 +868,7 @@ def chunk_kda_fwd(
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     buffers, kernels = prepare_chunks(
-        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare
+        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare, wu_prec=wu_prec
     )
     if keep is not None:
         keep.update(buffers)

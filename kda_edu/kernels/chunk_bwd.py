@@ -474,7 +474,7 @@ def _local_k_kernel(
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
-    lk_stages=None, kept=None,
+    lk_stages=None, kept=None, bv=None, wu_prec=None,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
@@ -513,11 +513,11 @@ def chunk_kda_bwd(
 
     # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's).
     if kept is None:
-        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True)[0]
+        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True, wu_prec=wu_prec)[0]
     w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
-    bv = scan_value_block(N * HV, V, BVP)
+    bv = bv or scan_value_block(N * HV, V, BVP)
     stages = 1 if BK * w.element_size() > 512 else 2
     h = torch.empty(HV * NCH, BK, BVP, **lo)
     vn = torch.empty(rows, BVP, **lo)

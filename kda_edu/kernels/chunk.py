@@ -16,11 +16,17 @@ Kernel 3, `_chunk_wu_kernel`, one program per (chunk, value head): the UT transf
     and exp(gc_C).
     Nothing in kernels 1-3 depends on the state, so every chunk runs in parallel. The backward runs the same
     three to recompute them (chunk_bwd.py), and keeps X from the x buffer.
-Kernel 4, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk:
+Kernel 4, `_chunk_scan_kernel`, one program per (value block, sequence x value head), chunk after chunk
+    (the value block from `scan_value_block`):
     with the state S (K x BV, float32, in registers for the whole sequence)
         U = u - w S;   O = qg S + Aqk U;   S = Diag(exp(gc_C)) S + kd^T U
     four matrix products per chunk, two against S (w S, qg S) and two against U (Aqk U, kd^T U): the only
     sequential work left.
+
+The launcher cuts the time axis into pieces (`time_pieces`, on a GPU at sizes where it pays) and launches each
+piece's scan on a second stream of higher priority as soon as that piece's prepare kernels are done: the scan,
+one latency-bound program per multiprocessor, runs beside the next piece's prepare kernels instead of after
+all of them, and passes its state to the next piece through the final-state buffer (`chunk_kda_fwd`).
 
 Why three prepare kernels and not one: until session 15 one kernel did kernels 1-3's work (the A blocks, the
 inverse, then w and u by block substitution), holding everything in registers: 255 registers at 4 warps, two
@@ -64,8 +70,10 @@ timings are in bench/NOTES.md; the current timings in bench/results/h200_forward
 
 Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
 operands to bfloat16 (`tile_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
-its 8-bit mantissa matches the 16-bit intermediates it feeds), kernels 2 and 3 use tf32, and the products
-against the state use the 16-bit dtype, all with float32 accumulation. With float32 inputs every product is
+its 8-bit mantissa matches the 16-bit intermediates it feeds), so do kernel 3's (X rounded to bfloat16 as well,
+on the H200 0.04-0.3 ms faster at the headline shapes for a relative change of 3.3e-3 in o,
+bench/results/h200_scan_waves.json; tf32 where a tile has 16 columns, see `prepare_chunks`), kernel 2 uses
+tf32, and the products against the state use the 16-bit dtype, all with float32 accumulation. With float32 inputs every product is
 exact float32 ("ieee"). Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
 The diagonal inverses use no product at all: element-wise float32 forward substitution. kd's exponent
 gc_C - gc_j is summed from the gates after j (a reverse cumsum) with float32 intermediates, exact after a
@@ -81,6 +89,9 @@ writes NaN into row t of u; the scan kernel reads U with its non-finite rows as 
 from the first such row on to NaN; the state update kd^T U reads the NaN rows, so the state after the chunk
 is NaN, as in the loop. The outputs before t are exact.
 """
+
+import functools
+from contextlib import nullcontext
 
 import torch
 import triton
@@ -132,11 +143,20 @@ def chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @jit
-def chunk_program(chunks, T, NT, H, HV, NCH, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """What a program over (chunk, value head) works on, from its ids: the value head i_hv, its key head i_h,
-    the chunk's first token t0 (in the flattened [B * T]), its valid rows n_t (int32; more than BT when the
-    sequence goes on) and its first row in the intermediates, row0."""
-    i_c = tl.program_id(0)
+def piece_chunk(NT, CS, CN):
+    """The chunk (numbered over all sequences) of a program over (chunk, value head) launched on one piece of
+    the time axis: chunks CS .. CS + CN - 1 of every sequence of NT chunks, CN programs per sequence. A launch
+    over every chunk has CS = 0 and CN = NT (with cu_seqlens: NT = CN = the number of chunks)."""
+    i = tl.program_id(0)
+    return (i // CN) * NT + CS + i % CN
+
+
+@jit
+def chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What a program over (chunk, value head) works on, from its ids (`piece_chunk`): the value head i_hv,
+    its key head i_h, the chunk's first token t0 (in the flattened [B * T]), its valid rows n_t (int32; more
+    than BT when the sequence goes on) and its first row in the intermediates, row0."""
+    i_c = tl.program_id(0) if IS_VARLEN else piece_chunk(NT, CS, CN)
     i_hv = tl.program_id(1)
     t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     return i_hv, i_hv // (HV // H), t0, (t_end - t0).to(tl.int32), (i_hv * NCH + i_c).to(tl.int64) * BT
@@ -306,9 +326,9 @@ def _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC: tl.constexpr,
     return tl.reshape(Dk, [4 * BC, 4 * BC]), tl.reshape(Dq, [4 * BC, 4 * BC])
 
 
-@jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT", "CS", "CN"])
 def _chunk_gram_kernel(
-    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale,
+    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, CS, CN,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
@@ -326,7 +346,7 @@ def _chunk_gram_kernel(
     l is the base-2 gate cumsum within each 16-row block and s_b its value at block b's last row (the block's
     gate sum), so every exponent is a sum of a few gates, never the difference of two long cumsums."""
     tl.static_assert(BT == 4 * BC)
-    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
@@ -386,9 +406,13 @@ def _neg_times(x_a, acc, PREC: tl.constexpr):
     return -tl.dot(x_a, acc, input_precision=PREC)
 
 
-@jit
+@jit(do_not_specialize=["NT", "CS", "CN"])
 def _chunk_inverse_kernel(
     lmat,  # in: L = Diag(beta) A, out: X = (I + L)^-1, float32 [HV, NCH * BT, BT], in place
+    NT,
+    NCH,
+    CS,
+    CN,  # the chunks of this launch (`piece_chunk`)
     BT: tl.constexpr,
     BC: tl.constexpr,
     PREC: tl.constexpr,
@@ -399,7 +423,7 @@ def _chunk_inverse_kernel(
     a of (I + L) X = I gives the blocks left of the diagonal, X_ac = -X_aa sum_{c <= b < a} L_ab X_bc, block
     column after block column (16 products of 16 x 16 blocks). X is lower triangular: zeros above."""
     tl.static_assert(BT == 4 * BC)
-    row0 = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * BT
+    row0 = (tl.program_id(1) * NCH + piece_chunk(NT, CS, CN)).to(tl.int64) * BT
     l10, l20, l21 = (
         _load_block(lmat, row0, 1, 0, BC, BT),
         _load_block(lmat, row0, 2, 0, BC, BT),
@@ -445,7 +469,7 @@ def _chunk_inverse_kernel(
     store_block(lmat, row0, 3, BC, BT, 3 * BC + rc, x3)
 
 
-@jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT", "CS", "CN"])
 def _chunk_wu_kernel(
     k,
     v,
@@ -464,6 +488,8 @@ def _chunk_wu_kernel(
     V,
     NT,
     NCH,
+    CS,
+    CN,  # the chunks of this launch (`piece_chunk`)
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -483,7 +509,7 @@ def _chunk_wu_kernel(
     difference and saves a second gate load and scan. Rows with a NaN or inf in k, v or beta, or a NaN or
     +inf gate, run with zeros there and are written into u as NaN (the scan spoils the outputs from the
     first such row on)."""
-    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, BT, IS_VARLEN)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT, IS_VARLEN)
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
     v_h = v + t0 * HV * V + i_hv * V
@@ -533,7 +559,7 @@ def seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
     return c0, n_chunks
 
 
-@jit(do_not_specialize=["NT"])
+@jit(do_not_specialize=["NT", "CS", "CN"])
 def _chunk_scan_kernel(
     w,
     u,
@@ -552,6 +578,8 @@ def _chunk_scan_kernel(
     V,
     NT,
     NCH,
+    CS,
+    CN,  # this launch runs chunks CS .. CS + CN - 1 of each sequence (without cu_seqlens; else 0 and NCH)
     BT: tl.constexpr,
     BK: tl.constexpr,
     BVP: tl.constexpr,
@@ -561,12 +589,16 @@ def _chunk_scan_kernel(
     PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    """One program per (value block, sequence x value head): the state pass and the output, chunk after chunk."""
+    """One program per (value block, sequence x value head): the state pass and the output, chunk after chunk,
+    from h0 (when USE_H0) to ht (when STORE_HT). A launch on one piece of the time axis runs only that
+    piece's chunks; the launcher chains the pieces through ht (`chunk_kda_fwd`)."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     c0, n_chunks = seq_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
+    c0 += CS
+    n_chunks = tl.minimum(n_chunks - CS, CN)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -605,7 +637,7 @@ def _chunk_scan_kernel(
         o_n = _spoil(o_n, tl.cumsum(bad, axis=0))
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)
 
-        t = bos + n * BT + rows
+        t = bos + (CS + n) * BT + rows
         o_mask = (t[:, None] < eos) & (cv[None, :] < V)
         tl.store(o_h + t[:, None] * HV * V + cv[None, :], o_n.to(o.dtype.element_ty), mask=o_mask)
 
@@ -749,14 +781,32 @@ def work_precision(dtype: torch.dtype) -> tuple[torch.dtype, str]:
     return idt, "ieee" if dtype == torch.float32 else "tf32"
 
 
-def scan_value_block(programs: int, V: int, BVP: int) -> int:
+def scan_value_block(programs: int, V: int, BVP: int, itemsize: int = 2, sms: int | None = None) -> int:
     """Value columns per program of a pass over the chunks of each sequence (`_chunk_scan_kernel`, and the
-    backward's two state passes). Their only parallelism is `programs` (sequences x value heads) times the
-    value blocks: with few of them, narrower blocks keep the GPU's 100+ multiprocessors busy."""
-    bv = min(BVP, 32)
-    if not interpreting() and programs * triton.cdiv(V, bv) < 128:
-        bv = 16
-    return bv
+    backward's two state passes), for `programs` sequences x value heads on a GPU of `sms` multiprocessors
+    (the current one's when None).
+
+    Each program is a chain over all its sequence's chunks, and only one fits on a multiprocessor (its
+    pipelined tiles take 120-150 kB of shared memory), so the programs run in waves of `sms`, and a pass takes
+    about (waves) x (one chain). Narrower blocks make more programs, wider ones a dearer chain: measured on the
+    H200 (bench/results/h200_scan_waves.json, 128 chunks, bf16, K = 128), one chain of 16 columns costs 0.81
+    of one of 32, one of 64 costs 1.08. The block with the fewest waves times that cost wins: 32 at
+    (1, 8192, 32) (one wave of 128 programs), 64 at (8, 4096, 16) (two waves of 256 instead of four of 512),
+    16 at (1, 131072, 16) (one wave of 128 instead of a half-empty one of 64). 64 only with 16-bit
+    intermediates (`itemsize` 2): float32 tiles of 64 columns would not fit beside the others. Under Triton's
+    interpreter, unless `sms` is given: 32 (or V rounded up, if smaller)."""
+    if sms is None:
+        if interpreting():
+            return min(BVP, 32)
+        sms = _multiprocessors(torch.cuda.current_device())
+    cost = {16: 0.81, 32: 1.0, 64: 1.08}
+    blocks = [b for b in cost if b <= BVP and (b < 64 or itemsize <= 2)] or [16]
+    return min(blocks, key=lambda b: (triton.cdiv(programs * triton.cdiv(V, b), sms) * cost[b], b))
+
+
+@functools.lru_cache
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prepare_chunks(
@@ -771,9 +821,15 @@ def prepare_chunks(
     kc=None,
     warps=(4, 1, 4),
     wu_prec=None,
+    pieces=None,
+    after_piece=None,
 ):
     """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
     backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
+
+    `pieces`: `time_pieces`' list of (first chunk, chunks) of every sequence, launched one after the other
+    (all chunks at once when None); `after_piece(buffers, first, chunks)` is called after each piece's three
+    launches (the forward launches that piece's scan there).
 
     Returns `(buffers, kernels)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
@@ -806,25 +862,31 @@ def prepare_chunks(
     low = "bf16" if idt != torch.float32 else prec  # the gram kernel's products (see the module docstring)
     kc = min(kc or 32, BK)
     vc = min(kc, BVP)
-    # The w/u kernel's products: `wu_prec` "bf16" rounds X and the right-hand tile to bfloat16 (16-bit inputs
-    # only), each product only where its tile has >= 32 columns: Triton 3.6's bfloat16 product of 64 x 64 by
-    # 64 x 16 hits an illegal address on the H200 (bench/experiments/wu_bf16_repro.py).
+    # The w/u kernel's products: with 16-bit inputs X and the right-hand tile are rounded to bfloat16 (the
+    # default, or `wu_prec="bf16"`; `wu_prec="tf32"` keeps tf32), each product only where its tile has >= 32
+    # columns: Triton 3.6's bfloat16 product of 64 x 64 by 64 x 16 hits an illegal address on the H200
+    # (bench/experiments/wu_bf16_repro.py).
     w_prec = u_prec = prec
-    if wu_prec == "bf16" and idt != torch.float32:
+    if wu_prec in (None, "bf16") and idt != torch.float32:
         w_prec = "bf16" if kc >= 32 else prec
         u_prec = "bf16" if vc >= 32 else prec
-    kernels = dict(
-        gram=_chunk_gram_kernel[(NCH, HV)](
-            q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale,
-            BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
-        ),
-        inverse=_chunk_inverse_kernel[(NCH, HV)](x, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
-        wu=_chunk_wu_kernel[(NCH, HV)](
-            k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH,
-            BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,
-            IS_VARLEN=varlen, num_warps=warps[2],
-        ),
-    )  # fmt: skip
+    nt = NCH if varlen else NT  # chunks per sequence as `piece_chunk` counts them
+    for cs, cn in pieces or [(0, nt)]:
+        grid = (NCH // nt * cn, HV)
+        kernels = dict(
+            gram=_chunk_gram_kernel[grid](
+                q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale, cs, cn,
+                BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
+            ),
+            inverse=_chunk_inverse_kernel[grid](x, nt, NCH, cs, cn, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
+            wu=_chunk_wu_kernel[grid](
+                k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH, cs, cn,
+                BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,
+                IS_VARLEN=varlen, num_warps=warps[2],
+            ),
+        )  # fmt: skip
+        if after_piece is not None:
+            after_piece(buffers, cs, cn)
     if not store_x:
         buffers["x"] = None
     return buffers, kernels
@@ -843,17 +905,26 @@ KERNELS = {
 def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
     bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
-    wu_prec=None,
+    wu_prec=None, pieces=None,
 ):  # fmt: skip
     """Launch the four kernels on validated inputs.
+
+    The time axis is cut into `time_pieces` (without cu_seqlens, on a GPU, at sizes where it pays): the
+    prepare kernels of each piece run on the current stream, and each piece's scan on a second stream of higher
+    priority (`scan_stream`) as soon as that piece is prepared, carrying the state to the next piece through
+    the final-state buffer. The scan, one latency-bound program per multiprocessor, then runs beside the next
+    piece's prepare kernels instead of after all of them. The results are those of one piece: every chunk is
+    computed the same way, and the state passes between pieces in float32, as it stays in the registers.
 
     The keywords after cu_seqlens are tuning knobs that bench/kernels/tune_chunk.py sweeps: `bv` value columns per
     scan program, `kc` key (and value) columns per step of the gram and w/u kernels' column loops,
     `warps_prepare` warps per program of the three prepare kernels (gram, inverse, w/u), `warps_scan` of the
-    scan, `stages` pipeline depth of the scan loop; `stop_after="prepare"` stops after the three prepare
-    kernels (to time them alone); `info`, a dict, receives registers / spills / shared memory of each kernel,
-    by `KERNELS`' names. `keep`, a dict, receives the prepare kernels' outputs (w, u, qg, kd, aqk, gl) and
-    X = (I + L)^-1: everything the backward would otherwise recompute first.
+    scan, `stages` pipeline depth of the scan loop; `wu_prec` "bf16" for bfloat16 operands in the w/u kernel's
+    products (`prepare_chunks`); `pieces` how many pieces to cut the time axis into (`time_pieces` when None;
+    under the interpreter the pieces run one after the other on one stream). `stop_after="prepare"` stops after
+    the three prepare kernels (to time them alone); `info`, a dict, receives registers / spills / shared memory
+    of each kernel, by `KERNELS`' names. `keep`, a dict, receives the prepare kernels' outputs (w, u, qg, kd,
+    aqk, gl) and X = (I + L)^-1: everything the backward would otherwise recompute first.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -861,38 +932,94 @@ def chunk_kda_fwd(
     layout = chunk_layout(T, B, cu_seqlens)
     NT, NCH, _, offsets = layout
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    prec = work_precision(q.dtype)[1]
+    idt, prec = work_precision(q.dtype)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
 
     dev = q.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
-    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    buffers, kernels = prepare_chunks(
-        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare, wu_prec=wu_prec
+    varlen = cu_seqlens is not None  # then one piece of all NCH chunks (`time_pieces`)
+    cut = time_pieces(
+        NCH if varlen else NT, HV * NCH, varlen, 1 if pieces is None and interpreting() else pieces
     )
-    if keep is not None:
-        keep.update(buffers)
-    if kernels:
-        if info is not None:
-            info.update((name, _resources(kernel)) for name, kernel in kernels.items())
-        if stop_after is not None:
-            return None, None
-    if N * HV == 0 or V == 0:
-        return o, ht
-
-    w, u, qg, kd, aqk, gl = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
+    # The state between pieces goes through ht (each scan program reads and writes only its own block of it).
+    ht = (
+        torch.empty(N, HV, K, V, device=dev, dtype=torch.float32)
+        if output_final_state or len(cut) > 1
+        else None
+    )
     if bv is None:
-        bv = scan_value_block(N * HV, V, BVP)
-    if BK * w.element_size() > 512:
+        bv = scan_value_block(N * HV, V, BVP, idt.itemsize)
+    if BK * idt.itemsize > 512:
         stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
-    kernel = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
-        w, u, qg, kd, aqk, gl, o, h0, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH,
-        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, STORE_HT=output_final_state, PREC=prec,
-        IS_VARLEN=cu_seqlens is not None, num_warps=warps_scan, num_stages=stages,
+    scan_on = scan_stream(dev) if len(cut) > 1 and q.is_cuda else None
+    launched = {}
+
+    def scan_piece(buffers, cs, cn):
+        if stop_after is not None or N * HV == 0 or V == 0:
+            return
+        first = cs == cut[0][0]
+        args = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
+        if scan_on is not None:
+            scan_on.wait_stream(
+                torch.cuda.current_stream(dev)
+            )  # this piece's prepare kernels, and all before
+        with torch.cuda.stream(scan_on) if scan_on is not None else nullcontext():
+            launched["scan"] = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
+                *args, o, h0 if first else ht, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH, cs, cn,
+                BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None or not first, STORE_HT=ht is not None,
+                PREC=prec, IS_VARLEN=cu_seqlens is not None, num_warps=warps_scan, num_stages=stages,
+            )  # fmt: skip
+
+    made, kernels = prepare_chunks(
+        q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare, wu_prec=wu_prec,
+        pieces=cut, after_piece=scan_piece,
     )  # fmt: skip
+    if NCH == 0:  # no chunk, no prepare launch: the scan still writes the final state (h0, or zeros)
+        scan_piece(made, 0, 0)
+    if scan_on is not None:
+        torch.cuda.current_stream(dev).wait_stream(scan_on)  # o, ht and the buffers are done with
+    if keep is not None:
+        keep.update(made)
     if info is not None:
-        info["scan"] = _resources(kernel)
-    return o, ht
+        info.update((name, _resources(kernel)) for name, kernel in {**kernels, **launched}.items())
+    if kernels and stop_after is not None:
+        return None, None
+    return o, ht if output_final_state else None
+
+
+def time_pieces(NT: int, chunk_heads: int, varlen: bool, pieces: int | None = None) -> list[tuple[int, int]]:
+    """How `chunk_kda_fwd` cuts the time axis: a list of (first chunk, chunks) of every sequence.
+
+    One piece with cu_seqlens (sequences of different lengths share no chunk grid) and when there are fewer
+    than PIECE_MIN_CHUNK_HEADS chunks x value heads (the launches of more pieces would cost more than the
+    overlap saves); else PIECES pieces, none shorter than PIECE_MIN_CHUNKS chunks. `pieces` overrides the
+    count (`chunk_kda_fwd` asks for one under Triton's interpreter, where nothing runs side by side)."""
+    if varlen or NT == 0:
+        return [(0, NT)]
+    if pieces is None:
+        pieces = 1 if chunk_heads < PIECE_MIN_CHUNK_HEADS else PIECES
+        pieces = max(1, min(pieces, NT // PIECE_MIN_CHUNKS))
+    pieces = max(1, min(pieces, NT))
+    size = triton.cdiv(NT, pieces)
+    return [(cs, min(size, NT - cs)) for cs in range(0, NT, size)]
+
+
+PIECES = 4  # pieces of the time axis (`time_pieces`)
+PIECE_MIN_CHUNKS = 8
+PIECE_MIN_CHUNK_HEADS = 2048
+
+
+_SCAN_STREAMS: dict = {}
+
+
+def scan_stream(device) -> torch.cuda.Stream:
+    """The side stream of the forward's scans on `device`, at the highest priority CUDA offers: when a
+    multiprocessor frees room, the scan's waiting program is placed before the prepare kernels' next ones."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SCAN_STREAMS:
+        _SCAN_STREAMS[index] = torch.cuda.Stream(device=index, priority=torch.cuda.Stream.priority_range()[1])
+    return _SCAN_STREAMS[index]
 
 
 def _resources(kernel):

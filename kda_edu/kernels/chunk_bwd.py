@@ -517,7 +517,7 @@ def chunk_kda_bwd(
     w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
-    bv = bv or scan_value_block(N * HV, V, BVP)
+    bv = bv or scan_value_block(N * HV, V, BVP, idt.itemsize)
     stages = 1 if BK * w.element_size() > 512 else 2
     h = torch.empty(HV * NCH, BK, BVP, **lo)
     vn = torch.empty(rows, BVP, **lo)

@@ -181,3 +181,59 @@ def test_the_inverse_of_the_diagonal_blocks_is_accurate_on_nearly_parallel_keys(
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
     assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
+
+
+@pytest.mark.parametrize("pieces", [2, 3, 5])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+def test_time_pieces_match_fp64_loop(pieces, with_state):
+    """The forward cut into pieces of the time axis (`time_pieces`; on a GPU each piece's scan runs on a side
+    stream beside the next piece's prepare kernels, the state passed on through the final-state buffer) gives
+    what one piece gives: against the float64 loop with the usual tolerance, and against one piece within
+    1e-6 relative (every chunk is computed by the same kernel code; the state crosses pieces in float32).
+    Two sequences of 300 steps (four full chunks and a tail), two value heads per key head."""
+    from kda_edu.kernels.chunk import chunk_kda_fwd
+
+    q, k, v, g, beta, h0 = make_inputs(2, 300, 1, 2, 32, 16)
+    h0 = h0 if with_state else None
+    scale = 32**-0.5
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, h0, True, pieces=pieces)
+    o1, ht1 = chunk_kda_fwd(q, k, v, g, beta, scale, h0, True, pieces=1)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
+    assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL
+    assert rel_err(o, o1) <= 1e-6 and rel_err(ht, ht1) <= 1e-6
+    o_none, ht_none = chunk_kda_fwd(q, k, v, g, beta, scale, h0, False, pieces=pieces)
+    assert ht_none is None and rel_err(o_none, o_ref) <= TOL
+
+
+def test_a_bad_value_in_a_later_piece_spoils_only_what_follows():
+    """A NaN value at step 200 (chunk 3 of 5 pieces of one chunk each): the outputs before it are exact, every
+    output from it on is NaN in that head and sequence, and so is the final state; the other head is exact."""
+    from kda_edu.kernels.chunk import chunk_kda_fwd
+
+    q, k, v, g, beta, h0 = make_inputs(1, 300, 1, 2, 32, 16)
+    v[0, 200, 0, 3] = float("nan")
+    o, ht = chunk_kda_fwd(q, k, v, g, beta, 32**-0.5, h0, True, pieces=5)
+    v_ok = v.clone()
+    v_ok[0, 200, 0, 3] = 0.0
+    o_ref, ht_ref = kda_oracle(q, k, v_ok, g, beta, h0)
+    assert rel_err(o[0, :200], o_ref[0, :200]) <= TOL
+    assert torch.isnan(o[0, 200:, 0]).all() and torch.isnan(ht[0, 0]).all()
+    assert rel_err(o[0, :, 1], o_ref[0, :, 1]) <= TOL and rel_err(ht[0, 1], ht_ref[0, 1]) <= TOL
+
+
+@pytest.mark.parametrize("NT", [1, 7, 8, 31, 128, 2048])
+def test_time_pieces_cover_every_chunk_once(NT):
+    """`time_pieces` cuts [0, NT) into consecutive pieces, in order, each chunk in exactly one, none empty;
+    one piece with cu_seqlens; the default count stays within PIECES and leaves no piece below PIECE_MIN_CHUNKS
+    chunks unless there is only one."""
+    from kda_edu.kernels.chunk import PIECE_MIN_CHUNKS, PIECES, time_pieces
+
+    assert time_pieces(NT, 10**6, varlen=True) == [(0, NT)]
+    for pieces in (None, 1, 3, 4, 100):
+        cut = time_pieces(NT, 10**6, varlen=False, pieces=pieces)
+        assert [c for cs, cn in cut for c in range(cs, cs + cn)] == list(range(NT))
+        assert all(cn > 0 for _, cn in cut)
+    cut = time_pieces(NT, 10**6, varlen=False)
+    assert len(cut) <= PIECES and (len(cut) == 1 or min(cn for _, cn in cut) >= PIECE_MIN_CHUNKS)
+    assert len(cut) == min(PIECES, max(1, NT // PIECE_MIN_CHUNKS))
+    assert time_pieces(NT, 10, varlen=False) == [(0, NT)]  # too little work to be worth the launches

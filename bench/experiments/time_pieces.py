@@ -1,0 +1,104 @@
+"""Issue 20 experiment on the H200: the forward cut into pieces of the time axis, each piece's scan on a side
+stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk.time_pieces`, `chunk_kda_fwd`).
+
+At each shape (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs): the forward's median time for 1, 2, 4
+and 8 pieces, how far o and the final state move from one piece (relative norm; expected 0: the same kernel
+code per chunk, the state crossing pieces in float32), the forward + backward step (bench_kda_bwd.py's, with
+the module's PIECES set to each count), and a CUDA-graph capture and replay of the pieced forward against
+eager.
+
+    source bench/device/env.sh
+    python bench/experiments/time_pieces.py --out $OUT/time_pieces.json [--shapes 1,8192,32 ...]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+
+import torch  # noqa: E402
+from bench_kda import HEADLINE, D, make_inputs, run_environment  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from kda_edu.kernels import chunk  # noqa: E402
+
+COUNTS = (1, 2, 4, 8)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def one_shape(B, T, H, step_too):
+    x = make_inputs(B, T, H)
+    h0 = torch.randn(B, H, D, D, device="cuda")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, h0, True)
+    ref_o, ref_h = chunk.chunk_kda_fwd(*args, pieces=1)
+    row = dict(shape=(B, T, H), forward_ms={}, o_rel_to_one={}, ht_rel_to_one={}, fwd_bwd_ms={})
+    for p in COUNTS:
+        o, ht = chunk.chunk_kda_fwd(*args, pieces=p)
+        row["o_rel_to_one"][p], row["ht_rel_to_one"][p] = rel(o, ref_o), rel(ht, ref_h)
+        row["forward_ms"][p] = do_bench(
+            lambda p=p: chunk.chunk_kda_fwd(*args, pieces=p), return_mode="median"
+        )
+    row["default_pieces"] = len(chunk.time_pieces(chunk.chunk_layout(T, B)[0], H * B * T // 64, False))
+    # A CUDA graph of the default forward, replayed on new inputs of the same shape, against eager.
+    static = [t.clone() for t in args[:5]]
+    chunk.chunk_kda_fwd(*static, *args[5:])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = chunk.chunk_kda_fwd(*static, *args[5:])
+    fresh = make_inputs(B, T, H, seed=1)
+    for s, name in zip(static, ("q", "k", "v", "g", "beta"), strict=True):
+        s.copy_(fresh[name])
+    graph.replay()
+    e_out = chunk.chunk_kda_fwd(*(fresh[n] for n in ("q", "k", "v", "g", "beta")), *args[5:])
+    row["graph_rel_to_eager"] = [rel(g_out[0], e_out[0]), rel(g_out[1], e_out[1])]
+    del graph
+    if step_too:
+        from bench_kda_bwd import make_inputs as step_inputs
+
+        xs, do = step_inputs(B, T, H)
+        default = chunk.PIECES
+        for p in COUNTS:
+            chunk.PIECES = p
+
+            def step(xs=xs, do=do):
+                o = chunk.chunk_kda(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], check_inputs=False)[0]
+                o.backward(do)
+
+            row["fwd_bwd_ms"][p] = do_bench(step, grad_to_none=list(xs.values()), return_mode="median")
+        chunk.PIECES = default
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="time_pieces.json")
+    ap.add_argument(
+        "--shapes", nargs="+", default=None, help="B,T,H (default: the headline shapes and (1, 2048, 16))"
+    )
+    args = ap.parse_args()
+    shapes = (
+        [tuple(int(n) for n in s.split(",")) for s in args.shapes]
+        if args.shapes
+        else HEADLINE + [(1, 2048, 16)]
+    )
+    result = dict(environment=run_environment(), rows=[])
+    for B, T, H in shapes:
+        try:
+            row = one_shape(B, T, H, step_too=B * T * H <= 2**19)
+        except Exception as e:  # a failure is a result
+            row = dict(shape=(B, T, H), error=f"{type(e).__name__}: {str(e)[:400]}")
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

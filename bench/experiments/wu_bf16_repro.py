@@ -24,7 +24,7 @@ def case(V, prec, kd_total):
     u = torch.empty(BT, V, device=dev, dtype=torch.bfloat16)
     gl = torch.empty(1, K, device=dev)
     _chunk_wu_kernel[(1, 1)](
-        k, v, g, beta, x, w, u, kd, gl, None, BT, 1, 1, K, V, 1, 1, 0, 1,
+        k, v, g, beta, x, w, u, kd, gl, None, BT, 1, 1, K, V, 1, 1, 0, 0, 1,
         BT=BT, BK=K, BV=V, KC=32, VC=min(32, V), PREC=prec, KD_TOTAL=kd_total, IS_VARLEN=False, num_warps=4,
     )  # fmt: skip
     torch.cuda.synchronize()

@@ -133,7 +133,7 @@ def scan(prepared: dict, initial_state: torch.Tensor | None = None, bv: int = 16
     h0 = initial_state.contiguous().float() if initial_state is not None else None
     BK = pow2(s["K"])
     KERNELS["scan"][(triton.cdiv(s["V"], bv), s["B"] * s["HV"])](
-        *flat.values(), o, h0, ht, None, None, s["T"], s["HV"], s["K"], s["V"], s["NT"], s["NCH"], 0, s["NT"],
+        *flat.values(), o, h0, ht, None, None, s["T"], s["HV"], s["K"], s["V"], s["NT"], s["NCH"], 0, 0, s["NT"],
         BT=CHUNK, BK=BK, BVP=pow2(s["V"]), BV=bv, USE_H0=h0 is not None, STORE_HT=True, PREC="ieee",
         IS_VARLEN=False, num_warps=4,
         num_stages=1 if BK * 4 > 512 else 2,  # as the launcher: two stages of float32 tiles fit up to K = 128
@@ -182,7 +182,7 @@ def gram(q, k, g, beta, scale: float | None = None, kc: int | None = None, kerne
     aqk = torch.zeros(rows, CHUNK, device=q.device)
     lmat = torch.zeros(rows, CHUNK, device=q.device)
     (kernel or chunk._chunk_gram_kernel)[(NCH, HV)](
-        q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, 0, NT,
+        q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, 0, 0, NT,
         BT=CHUNK, BC=SUB, BK=BK, KC=min(kc or 32, BK), PREC="ieee", IS_VARLEN=False, num_warps=4,
     )  # fmt: skip
 
@@ -247,9 +247,9 @@ def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, 
         store_block(aqk, row0, A_ROW, BC, BT, c * BC + rc, tl.zeros([BC, BC], dtype=tl.float32))
 
 
-@jit(do_not_specialize=["NT", "CS", "CN"])
+@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def gram16_kernel(
-    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, CS, CN,
+    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, N0, CS, CN,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
@@ -259,7 +259,7 @@ def gram16_kernel(
     end boundary of block c (`_pair`, both exponents <= 0), the diagonal blocks at their middle row or in
     the exact pairwise form (`diag_grams`). The arguments are those of chunk.py's `_chunk_gram_kernel`."""
     tl.static_assert(BT == 4 * BC)
-    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT, IS_VARLEN)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, N0, CS, CN, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
@@ -761,6 +761,7 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
             NT=i32,
             NCH=i32,
             scale="fp32",
+            N0=i32,
             CS=i32,
             CN=i32,
         ),
@@ -768,7 +769,7 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
         options=dict(num_warps=4),
     )
     inverse = dict(
-        signature=dict(lmat="*fp32", NT=i32, NCH=i32, CS=i32, CN=i32),
+        signature=dict(lmat="*fp32", NT=i32, NCH=i32, N0=i32, CS=i32, CN=i32),
         constexprs=dict(BT=CHUNK, BC=SUB, PREC="tf32"),
         options=dict(num_warps=1),
     )
@@ -791,6 +792,7 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
             V=i32,
             NT=i32,
             NCH=i32,
+            N0=i32,
             CS=i32,
             CN=i32,
         ),
@@ -801,7 +803,7 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
     )
     scan = dict(
         signature={**_BF16_MID, "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
-                   "chunk_offsets": "*i32", **dict.fromkeys(["T", "HV", "K", "V", "NT", "NCH", "CS", "CN"], i32)},
+                   "chunk_offsets": "*i32", **dict.fromkeys(["T", "HV", "K", "V", "NT", "NCH", "N0", "CS", "CN"], i32)},
         constexprs=dict(BT=CHUNK, BK=K, BVP=V, BV=32, USE_H0=False, STORE_HT=False, PREC="tf32", IS_VARLEN=False),
         options=dict(num_warps=4, num_stages=2),
     )  # fmt: skip

@@ -143,20 +143,21 @@ def chunk_span(i_c, chunks, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @jit
-def piece_chunk(NT, CS, CN):
+def piece_chunk(NT, N0, CS, CN):
     """The chunk (numbered over all sequences) of a program over (chunk, value head) launched on one piece of
-    the time axis: chunks CS .. CS + CN - 1 of every sequence of NT chunks, CN programs per sequence. A launch
-    over every chunk has CS = 0 and CN = NT (with cu_seqlens: NT = CN = the number of chunks)."""
+    the work (`time_pieces`): chunks CS .. CS + CN - 1 of sequences N0, N0 + 1, ... of NT chunks each, CN
+    programs per sequence. A launch over every chunk has N0 = CS = 0 and CN = NT (with cu_seqlens: NT = CN =
+    the number of chunks)."""
     i = tl.program_id(0)
-    return (i // CN) * NT + CS + i % CN
+    return (N0 + i // CN) * NT + CS + i % CN
 
 
 @jit
-def chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+def chunk_program(chunks, T, NT, H, HV, NCH, N0, CS, CN, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """What a program over (chunk, value head) works on, from its ids (`piece_chunk`): the value head i_hv,
     its key head i_h, the chunk's first token t0 (in the flattened [B * T]), its valid rows n_t (int32; more
     than BT when the sequence goes on) and its first row in the intermediates, row0."""
-    i_c = tl.program_id(0) if IS_VARLEN else piece_chunk(NT, CS, CN)
+    i_c = tl.program_id(0) if IS_VARLEN else piece_chunk(NT, N0, CS, CN)
     i_hv = tl.program_id(1)
     t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     return i_hv, i_hv // (HV // H), t0, (t_end - t0).to(tl.int32), (i_hv * NCH + i_c).to(tl.int64) * BT
@@ -326,9 +327,9 @@ def _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC: tl.constexpr,
     return tl.reshape(Dk, [4 * BC, 4 * BC]), tl.reshape(Dq, [4 * BC, 4 * BC])
 
 
-@jit(do_not_specialize=["NT", "CS", "CN"])
+@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def _chunk_gram_kernel(
-    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, CS, CN,
+    q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, N0, CS, CN,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
@@ -346,7 +347,7 @@ def _chunk_gram_kernel(
     l is the base-2 gate cumsum within each 16-row block and s_b its value at block b's last row (the block's
     gate sum), so every exponent is a sum of a few gates, never the difference of two long cumsums."""
     tl.static_assert(BT == 4 * BC)
-    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT, IS_VARLEN)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, N0, CS, CN, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
@@ -406,11 +407,12 @@ def _neg_times(x_a, acc, PREC: tl.constexpr):
     return -tl.dot(x_a, acc, input_precision=PREC)
 
 
-@jit(do_not_specialize=["NT", "CS", "CN"])
+@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def _chunk_inverse_kernel(
     lmat,  # in: L = Diag(beta) A, out: X = (I + L)^-1, float32 [HV, NCH * BT, BT], in place
     NT,
     NCH,
+    N0,
     CS,
     CN,  # the chunks of this launch (`piece_chunk`)
     BT: tl.constexpr,
@@ -423,7 +425,7 @@ def _chunk_inverse_kernel(
     a of (I + L) X = I gives the blocks left of the diagonal, X_ac = -X_aa sum_{c <= b < a} L_ab X_bc, block
     column after block column (16 products of 16 x 16 blocks). X is lower triangular: zeros above."""
     tl.static_assert(BT == 4 * BC)
-    row0 = (tl.program_id(1) * NCH + piece_chunk(NT, CS, CN)).to(tl.int64) * BT
+    row0 = (tl.program_id(1) * NCH + piece_chunk(NT, N0, CS, CN)).to(tl.int64) * BT
     l10, l20, l21 = (
         _load_block(lmat, row0, 1, 0, BC, BT),
         _load_block(lmat, row0, 2, 0, BC, BT),
@@ -469,7 +471,7 @@ def _chunk_inverse_kernel(
     store_block(lmat, row0, 3, BC, BT, 3 * BC + rc, x3)
 
 
-@jit(do_not_specialize=["NT", "CS", "CN"])
+@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def _chunk_wu_kernel(
     k,
     v,
@@ -488,6 +490,7 @@ def _chunk_wu_kernel(
     V,
     NT,
     NCH,
+    N0,
     CS,
     CN,  # the chunks of this launch (`piece_chunk`)
     BT: tl.constexpr,
@@ -509,7 +512,7 @@ def _chunk_wu_kernel(
     difference and saves a second gate load and scan. Rows with a NaN or inf in k, v or beta, or a NaN or
     +inf gate, run with zeros there and are written into u as NaN (the scan spoils the outputs from the
     first such row on)."""
-    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, CS, CN, BT, IS_VARLEN)
+    i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, N0, CS, CN, BT, IS_VARLEN)
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
     v_h = v + t0 * HV * V + i_hv * V
@@ -559,7 +562,7 @@ def seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
     return c0, n_chunks
 
 
-@jit(do_not_specialize=["NT", "CS", "CN"])
+@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def _chunk_scan_kernel(
     w,
     u,
@@ -578,8 +581,9 @@ def _chunk_scan_kernel(
     V,
     NT,
     NCH,
+    N0,
     CS,
-    CN,  # this launch runs chunks CS .. CS + CN - 1 of each sequence (without cu_seqlens; else 0 and NCH)
+    CN,  # this launch: chunks CS .. CS + CN - 1 of sequences N0, N0 + 1, ... (`time_pieces`)
     BT: tl.constexpr,
     BK: tl.constexpr,
     BVP: tl.constexpr,
@@ -593,7 +597,7 @@ def _chunk_scan_kernel(
     from h0 (when USE_H0) to ht (when STORE_HT). A launch on one piece of the time axis runs only that
     piece's chunks; the launcher chains the pieces through ht (`chunk_kda_fwd`)."""
     i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = N0 * HV + tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     c0, n_chunks = seq_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
@@ -827,8 +831,8 @@ def prepare_chunks(
     """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
     backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
 
-    `pieces`: `time_pieces`' list of (first chunk, chunks) of every sequence, launched one after the other
-    (all chunks at once when None); `after_piece(buffers, first, chunks)` is called after each piece's three
+    `pieces`: `time_pieces`' list of (first sequence, sequences, first chunk, chunks), launched one after the
+    other (all chunks at once when None); `after_piece(buffers, piece)` is called after each piece's three
     launches (the forward launches that piece's scan there).
 
     Returns `(buffers, kernels)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
@@ -871,22 +875,25 @@ def prepare_chunks(
         w_prec = "bf16" if kc >= 32 else prec
         u_prec = "bf16" if vc >= 32 else prec
     nt = NCH if varlen else NT  # chunks per sequence as `piece_chunk` counts them
-    for cs, cn in pieces or [(0, nt)]:
-        grid = (NCH // nt * cn, HV)
+    for piece in pieces or [(0, NCH // nt, 0, nt)]:
+        n0, nn, cs, cn = piece
+        grid = (NCH if varlen else nn * cn, HV)  # with cu_seqlens one piece: every chunk
         kernels = dict(
             gram=_chunk_gram_kernel[grid](
-                q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale, cs, cn,
+                q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale, n0, cs, cn,
                 BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
             ),
-            inverse=_chunk_inverse_kernel[grid](x, nt, NCH, cs, cn, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]),
+            inverse=_chunk_inverse_kernel[grid](
+                x, nt, NCH, n0, cs, cn, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]
+            ),
             wu=_chunk_wu_kernel[grid](
-                k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH, cs, cn,
+                k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH, n0, cs, cn,
                 BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,
                 IS_VARLEN=varlen, num_warps=warps[2],
             ),
         )  # fmt: skip
         if after_piece is not None:
-            after_piece(buffers, cs, cn)
+            after_piece(buffers, piece)
     if not store_x:
         buffers["x"] = None
     return buffers, kernels
@@ -937,37 +944,31 @@ def chunk_kda_fwd(
 
     dev = q.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=q.dtype)
-    varlen = cu_seqlens is not None  # then one piece of all NCH chunks (`time_pieces`)
-    cut = time_pieces(
-        NCH if varlen else NT, HV * NCH, varlen, 1 if pieces is None and interpreting() else pieces
-    )
-    # The state between pieces goes through ht (each scan program reads and writes only its own block of it).
-    ht = (
-        torch.empty(N, HV, K, V, device=dev, dtype=torch.float32)
-        if output_final_state or len(cut) > 1
-        else None
-    )
-    if bv is None:
-        bv = scan_value_block(N * HV, V, BVP, idt.itemsize)
+    varlen = cu_seqlens is not None
+    if pieces is None and interpreting():
+        pieces = 1  # nothing runs side by side there
+    cut = time_pieces(N, NCH if varlen else NT, HV, V, BVP, idt.itemsize, varlen, q.device, pieces)
+    # The state between pieces of the time axis goes through ht (a program reads and writes only its own block).
+    chained = any(cs > 0 for _, _, cs, _ in cut)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state or chained else None
     if BK * idt.itemsize > 512:
         stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
     scan_on = scan_stream(dev) if len(cut) > 1 and q.is_cuda else None
     launched = {}
 
-    def scan_piece(buffers, cs, cn):
-        if stop_after is not None or N * HV == 0 or V == 0:
+    def scan_piece(buffers, piece):
+        n0, nn, cs, cn = piece
+        if stop_after is not None or nn * HV == 0 or V == 0:
             return
-        first = cs == cut[0][0]
         args = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
-        if scan_on is not None:
-            scan_on.wait_stream(
-                torch.cuda.current_stream(dev)
-            )  # this piece's prepare kernels, and all before
+        block = bv or scan_value_block(nn * HV, V, BVP, idt.itemsize)
+        if scan_on is not None:  # after this piece's prepare kernels (and all before them)
+            scan_on.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(scan_on) if scan_on is not None else nullcontext():
-            launched["scan"] = _chunk_scan_kernel[(triton.cdiv(V, bv), N * HV)](
-                *args, o, h0 if first else ht, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH, cs, cn,
-                BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None or not first, STORE_HT=ht is not None,
-                PREC=prec, IS_VARLEN=cu_seqlens is not None, num_warps=warps_scan, num_stages=stages,
+            launched["scan"] = _chunk_scan_kernel[(triton.cdiv(V, block), nn * HV)](
+                *args, o, h0 if cs == 0 else ht, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH, n0, cs, cn,
+                BT=BT, BK=BK, BVP=BVP, BV=block, USE_H0=h0 is not None or cs > 0, STORE_HT=ht is not None,
+                PREC=prec, IS_VARLEN=varlen, num_warps=warps_scan, num_stages=stages,
             )  # fmt: skip
 
     made, kernels = prepare_chunks(
@@ -975,7 +976,7 @@ def chunk_kda_fwd(
         pieces=cut, after_piece=scan_piece,
     )  # fmt: skip
     if NCH == 0:  # no chunk, no prepare launch: the scan still writes the final state (h0, or zeros)
-        scan_piece(made, 0, 0)
+        scan_piece(made, (0, N, 0, 0))
     if scan_on is not None:
         torch.cuda.current_stream(dev).wait_stream(scan_on)  # o, ht and the buffers are done with
     if keep is not None:
@@ -987,25 +988,45 @@ def chunk_kda_fwd(
     return o, ht if output_final_state else None
 
 
-def time_pieces(NT: int, chunk_heads: int, varlen: bool, pieces: int | None = None) -> list[tuple[int, int]]:
-    """How `chunk_kda_fwd` cuts the time axis: a list of (first chunk, chunks) of every sequence.
+def time_pieces(
+    N: int, NT: int, HV: int, V: int, BVP: int, itemsize: int, varlen: bool, device=None, pieces=None
+) -> list[tuple[int, int, int, int]]:
+    """How `chunk_kda_fwd` cuts its work, as a list of (first sequence, sequences, first chunk, chunks): the
+    prepare kernels of one piece, then its scan on the side stream, then the next piece. N sequences of NT
+    chunks (with cu_seqlens: NT all the chunks, one piece), HV value heads, V value columns.
 
-    One piece with cu_seqlens (sequences of different lengths share no chunk grid) and when there are fewer
-    than PIECE_MIN_CHUNK_HEADS chunks x value heads (the launches of more pieces would cost more than the
-    overlap saves); else PIECES pieces, none shorter than PIECE_MIN_CHUNKS chunks. `pieces` overrides the
-    count (`chunk_kda_fwd` asks for one under Triton's interpreter, where nothing runs side by side)."""
-    if varlen or NT == 0:
-        return [(0, NT)]
+    One piece when there are fewer than PIECE_MIN_CHUNK_HEADS chunks x value heads: the launches of more
+    pieces would cost more than the overlap saves. When the scan takes more than one wave of programs on this
+    GPU (`scan_value_block`), pieces of whole sequences, as many as fill one wave each: the first piece's
+    scan then runs beside the next one's prepare kernels. Else pieces of the time axis of every sequence,
+    round(sqrt(NT / 32)) of them (2 at 8K tokens, 4 at 32K, 8 from 128K; bench/results/h200_time_pieces_*.json:
+    the overlap saved grows with the piece count, the fill and drain of the pipeline shrink with it, and the
+    launches grow with it), at most PIECES_MAX. `pieces` overrides: an int (pieces of the time axis) or a
+    list of pieces."""
+    if isinstance(pieces, list):
+        return pieces
+    whole = [(0, N, 0, NT)]
+    if varlen or NT == 0 or pieces == 1:
+        return whole
     if pieces is None:
-        pieces = 1 if chunk_heads < PIECE_MIN_CHUNK_HEADS else PIECES
-        pieces = max(1, min(pieces, NT // PIECE_MIN_CHUNKS))
-    pieces = max(1, min(pieces, NT))
-    size = triton.cdiv(NT, pieces)
-    return [(cs, min(size, NT - cs)) for cs in range(0, NT, size)]
+        if N * NT * HV < PIECE_MIN_CHUNK_HEADS:
+            return whole
+        index = None if device is None else torch.device(device).index
+        sms = (
+            132
+            if device is None
+            else _multiprocessors(torch.cuda.current_device() if index is None else index)
+        )
+        blocks = triton.cdiv(V, scan_value_block(N * HV, V, BVP, itemsize, sms))
+        if N * HV * blocks > sms:  # more than one wave: pieces of sequences, one wave each
+            per = max(1, sms // (HV * triton.cdiv(V, 32)))
+            return [(n0, min(per, N - n0), 0, NT) for n0 in range(0, N, per)] if per < N else whole
+        pieces = min(PIECES_MAX, max(1, round((NT / 32) ** 0.5)))
+    size = triton.cdiv(NT, max(1, min(pieces, NT)))
+    return [(0, N, cs, min(size, NT - cs)) for cs in range(0, NT, size)]
 
 
-PIECES = 4  # pieces of the time axis (`time_pieces`)
-PIECE_MIN_CHUNKS = 8
+PIECES_MAX = 8  # pieces of the time axis at most (`time_pieces`)
 PIECE_MIN_CHUNK_HEADS = 2048
 
 

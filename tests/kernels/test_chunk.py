@@ -221,19 +221,48 @@ def test_a_bad_value_in_a_later_piece_spoils_only_what_follows():
     assert rel_err(o[0, :, 1], o_ref[0, :, 1]) <= TOL and rel_err(ht[0, 1], ht_ref[0, 1]) <= TOL
 
 
-@pytest.mark.parametrize("NT", [1, 7, 8, 31, 128, 2048])
-def test_time_pieces_cover_every_chunk_once(NT):
-    """`time_pieces` cuts [0, NT) into consecutive pieces, in order, each chunk in exactly one, none empty;
-    one piece with cu_seqlens; the default count stays within PIECES and leaves no piece below PIECE_MIN_CHUNKS
-    chunks unless there is only one."""
-    from kda_edu.kernels.chunk import PIECE_MIN_CHUNKS, PIECES, time_pieces
+def test_pieces_of_sequences_match_fp64_loop():
+    """Pieces of whole sequences (what `time_pieces` picks when the scan needs more than one wave of programs),
+    and pieces that cut both sequences and time, against the float64 loop: three sequences of 150 steps."""
+    from kda_edu.kernels.chunk import chunk_kda_fwd
 
-    assert time_pieces(NT, 10**6, varlen=True) == [(0, NT)]
-    for pieces in (None, 1, 3, 4, 100):
-        cut = time_pieces(NT, 10**6, varlen=False, pieces=pieces)
-        assert [c for cs, cn in cut for c in range(cs, cs + cn)] == list(range(NT))
-        assert all(cn > 0 for _, cn in cut)
-    cut = time_pieces(NT, 10**6, varlen=False)
-    assert len(cut) <= PIECES and (len(cut) == 1 or min(cn for _, cn in cut) >= PIECE_MIN_CHUNKS)
-    assert len(cut) == min(PIECES, max(1, NT // PIECE_MIN_CHUNKS))
-    assert time_pieces(NT, 10, varlen=False) == [(0, NT)]  # too little work to be worth the launches
+    q, k, v, g, beta, h0 = make_inputs(3, 150, 1, 2, 32, 16)
+    o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
+    for cut in ([(0, 1, 0, 3), (1, 2, 0, 3)], [(0, 2, 0, 2), (0, 2, 2, 1), (2, 1, 0, 1), (2, 1, 1, 2)]):
+        o, ht = chunk_kda_fwd(q, k, v, g, beta, 32**-0.5, h0, True, pieces=cut)
+        assert rel_err(o, o_ref) <= TOL and rel_err(ht, ht_ref) <= TOL, cut
+
+
+@pytest.mark.parametrize("NT", [1, 7, 31, 128, 512, 2048])
+def test_time_pieces_cover_every_chunk_once(NT):
+    """`time_pieces` (on 132 multiprocessors, K = V = 128, bf16) covers every chunk of every sequence once, in
+    order within each sequence: 2, 4 and 8 pieces of the time axis at 8K, 32K and 128K tokens of one sequence
+    with 32 or 16 heads; pieces of two sequences each at (8, 4096, 16), whose scan takes two waves; one
+    piece with cu_seqlens, with too little work, or when asked for one."""
+    from kda_edu.kernels.chunk import PIECE_MIN_CHUNK_HEADS, PIECES_MAX, time_pieces
+
+    def covered(cut, N):
+        return sorted(
+            (n, c) for n0, nn, cs, cn in cut for n in range(n0, n0 + nn) for c in range(cs, cs + cn)
+        )
+
+    for N, H in ((1, 32), (1, 16), (8, 16), (3, 2)):
+        for pieces in (None, 1, 3, 100):
+            cut = time_pieces(N, NT, H, 128, 128, 2, False, pieces=pieces)
+            assert covered(cut, N) == [(n, c) for n in range(N) for c in range(NT)], (N, H, pieces)
+            assert all(nn > 0 and cn > 0 for _, nn, _, cn in cut) and len(cut) <= max(PIECES_MAX, 100)
+    assert time_pieces(1, NT, 32, 128, 128, 2, varlen=True) == [(0, 1, 0, NT)]
+    if NT < PIECE_MIN_CHUNK_HEADS:  # one head: NT chunk-heads, too little work
+        assert time_pieces(1, NT, 1, 128, 128, 2, False) == [(0, 1, 0, NT)]
+    expected = {128: 2, 512: 4, 2048: 8}.get(NT)
+    if expected:
+        for H in (32, 16):
+            assert len(time_pieces(1, NT, H, 128, 128, 2, False)) == expected
+
+
+def test_sequence_pieces_at_eight_sequences_of_4k():
+    """(8, 4096, 16) on 132 multiprocessors: blocks of 64 value columns make 256 scan programs, two waves, so
+    the work goes in four pieces of two sequences, each a 128-program wave."""
+    from kda_edu.kernels.chunk import time_pieces
+
+    assert time_pieces(8, 64, 16, 128, 128, 2, False) == [(n, 2, 0, 64) for n in (0, 2, 4, 6)]

@@ -3,9 +3,8 @@ stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk.time_piec
 
 At each shape (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs): the forward's median time for 1, 2, 4
 and 8 pieces, how far o and the final state move from one piece (relative norm; expected 0: the same kernel
-code per chunk, the state crossing pieces in float32), the forward + backward step (bench_kda_bwd.py's, with
-the module's PIECES set to each count), and a CUDA-graph capture and replay of the pieced forward against
-eager.
+code per chunk, the state crossing pieces in float32), and a CUDA-graph capture and replay of the default
+forward against eager. "default" is `time_pieces`' choice (at (8, 4096, 16): pieces of two sequences).
 
     source bench/device/env.sh
     python bench/experiments/time_pieces.py --out $OUT/time_pieces.json [--shapes 1,8192,32 ...]
@@ -24,26 +23,27 @@ from triton.testing import do_bench  # noqa: E402
 
 from kda_edu.kernels import chunk  # noqa: E402
 
-COUNTS = (1, 2, 4, 8)
+COUNTS = (1, 2, 4, 8, None)  # pieces of the time axis; None: `time_pieces`' choice ("default")
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def one_shape(B, T, H, step_too):
+def one_shape(B, T, H):
     x = make_inputs(B, T, H)
     h0 = torch.randn(B, H, D, D, device="cuda")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, h0, True)
     ref_o, ref_h = chunk.chunk_kda_fwd(*args, pieces=1)
-    row = dict(shape=(B, T, H), forward_ms={}, o_rel_to_one={}, ht_rel_to_one={}, fwd_bwd_ms={})
+    row = dict(shape=(B, T, H), forward_ms={}, o_rel_to_one={}, ht_rel_to_one={})
     for p in COUNTS:
+        key = str(p) if p else "default"
         o, ht = chunk.chunk_kda_fwd(*args, pieces=p)
-        row["o_rel_to_one"][p], row["ht_rel_to_one"][p] = rel(o, ref_o), rel(ht, ref_h)
-        row["forward_ms"][p] = do_bench(
+        row["o_rel_to_one"][key], row["ht_rel_to_one"][key] = rel(o, ref_o), rel(ht, ref_h)
+        row["forward_ms"][key] = do_bench(
             lambda p=p: chunk.chunk_kda_fwd(*args, pieces=p), return_mode="median"
         )
-    row["default_pieces"] = len(chunk.time_pieces(chunk.chunk_layout(T, B)[0], H * B * T // 64, False))
+    row["default_pieces"] = chunk.time_pieces(B, chunk.chunk_layout(T, B)[0], H, D, D, 2, False, "cuda")
     # A CUDA graph of the default forward, replayed on new inputs of the same shape, against eager.
     static = [t.clone() for t in args[:5]]
     chunk.chunk_kda_fwd(*static, *args[5:])
@@ -58,20 +58,6 @@ def one_shape(B, T, H, step_too):
     e_out = chunk.chunk_kda_fwd(*(fresh[n] for n in ("q", "k", "v", "g", "beta")), *args[5:])
     row["graph_rel_to_eager"] = [rel(g_out[0], e_out[0]), rel(g_out[1], e_out[1])]
     del graph
-    if step_too:
-        from bench_kda_bwd import make_inputs as step_inputs
-
-        xs, do = step_inputs(B, T, H)
-        default = chunk.PIECES
-        for p in COUNTS:
-            chunk.PIECES = p
-
-            def step(xs=xs, do=do):
-                o = chunk.chunk_kda(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], check_inputs=False)[0]
-                o.backward(do)
-
-            row["fwd_bwd_ms"][p] = do_bench(step, grad_to_none=list(xs.values()), return_mode="median")
-        chunk.PIECES = default
     return row
 
 
@@ -90,7 +76,7 @@ def main():
     result = dict(environment=run_environment(), rows=[])
     for B, T, H in shapes:
         try:
-            row = one_shape(B, T, H, step_too=B * T * H <= 2**19)
+            row = one_shape(B, T, H)
         except Exception as e:  # a failure is a result
             row = dict(shape=(B, T, H), error=f"{type(e).__name__}: {str(e)[:400]}")
         result["rows"].append(row)

@@ -4,16 +4,19 @@ stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk.time_piec
 At each shape (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs): the forward's median time for 1, 2, 4
 and 8 pieces, how far o and the final state move from one piece (relative norm; expected 0: the same kernel
 code per chunk, the state crossing pieces in float32), and a CUDA-graph capture and replay of the default
-forward against eager. "default" is `time_pieces`' choice (at (8, 4096, 16): pieces of two sequences).
+forward against eager; at the two smaller shapes the forward + backward step, recomputed and kept, in one
+piece and in the default pieces. "default" is `time_pieces`' choice (at (8, 4096, 16): pieces of two sequences).
 
     source bench/device/env.sh
     python bench/experiments/time_pieces.py --out $OUT/time_pieces.json [--shapes 1,8192,32 ...]
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
 
@@ -58,7 +61,38 @@ def one_shape(B, T, H):
     e_out = chunk.chunk_kda_fwd(*(fresh[n] for n in ("q", "k", "v", "g", "beta")), *args[5:])
     row["graph_rel_to_eager"] = [rel(g_out[0], e_out[0]), rel(g_out[1], e_out[1])]
     del graph
+    if B * T * H <= 2**19:  # the training step too, at the two smaller shapes
+        row["fwd_bwd_ms"] = step_times(B, T, H)
     return row
+
+
+def step_times(B, T, H):
+    """Forward + backward of sum(o * do) (bench_kda_bwd.py's step), recomputed and kept, with the forward
+    and backward in one piece or in `time_pieces`' default pieces."""
+    from bench_kda_bwd import make_inputs as step_inputs
+
+    from kda_edu.kernels import chunk_bwd
+
+    xs, do = step_inputs(B, T, H)
+    out = {}
+    for keep in (False, True):
+        for p in (1, None):
+            fwd = functools.partial(chunk_bwd.chunk_kda_fwd, pieces=p)
+            bwd = functools.partial(chunk_bwd.chunk_kda_bwd, pieces=p)
+            with (
+                mock.patch.object(chunk_bwd, "chunk_kda_fwd", fwd),
+                mock.patch.object(chunk_bwd, "chunk_kda_bwd", bwd),
+            ):
+
+                def step(keep=keep):
+                    o = chunk.chunk_kda(*(xs[n] for n in ("q", "k", "v", "g", "beta")), check_inputs=False,
+                                        keep_intermediates=keep)[0]  # fmt: skip
+                    o.backward(do)
+
+                step()
+                key = ("kept " if keep else "") + ("one piece" if p == 1 else "default pieces")
+                out[key] = do_bench(step, grad_to_none=list(xs.values()), return_mode="median")
+    return out
 
 
 def main():

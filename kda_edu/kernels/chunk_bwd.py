@@ -74,13 +74,11 @@ cumsums: after a reset (a gate at GATE_FLOOR, -151 in base 2) two cumsums are bo
 keeps only ~1e-5 of its value, a relative error of that size in every decay after the reset.
 """
 
-from contextlib import nullcontext
-
 import torch
 import triton
 import triton.language as tl
 
-from kda_edu.kernels._backend import interpreting, jit
+from kda_edu.kernels._backend import jit
 from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     CHUNK,
     DIAG_LIMIT,
@@ -92,13 +90,10 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
     chunk_span,
     diag_span,
     load_rows,
-    piece_chunk,
     pow2,
     prepare_chunks,
-    scan_stream,
     scan_value_block,
     seq_chunks,
-    time_pieces,
     work_precision,
 )
 
@@ -155,32 +150,28 @@ def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr)
     return tl.where((rows // BC == a)[:, None], rep, 0.0)
 
 
-@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
+@jit(do_not_specialize=["NT"])
 def _states_kernel(
-    w, u, kd, gl, h0, h, vn, ht,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0, U per chunk; ht the last S
+    w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
     offsets,  # varlen only: int32 [N + 1] first chunk of each sequence
-    HV, K, V, NT, NCH, N0, CS, CN,  # this launch: chunks CS .. CS + CN - 1 of sequences N0, ... (time_pieces)
+    HV, K, V, NT, NCH,
     BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_H0: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Per (value block, sequence x value head): the forward state pass again, from that sequence's h0,
-    storing the state entering each of its chunks and the values U each writes; with STORE_HT the state after
-    the launch's last chunk (where the next piece of the time axis starts)."""
+    storing the state entering each of its chunks and the values U each writes."""
     i_v = tl.program_id(0)
-    i_nh = N0 * HV + tl.program_id(1)
+    i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     c0, n_chunks = seq_chunks(i_n, offsets, NT, IS_VARLEN)
-    c0 += CS
-    n_chunks = tl.minimum(n_chunks - CS, CN)
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    s_mask = (ck[:, None] < K) & (cv[None, :] < V)
-    s_off = i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        S += tl.load(h0 + s_off, mask=s_mask, other=0.0)
+        S += tl.load(h0 + i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                     mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)  # fmt: skip
     for n in range(n_chunks):
         c = (i_hv * NCH + c0 + n).to(tl.int64)  # chunk's index in the intermediates
         r = (c * BT + rows)[:, None]
@@ -195,28 +186,23 @@ def _states_kernel(
         u_lo = U.to(vn.dtype.element_ty)
         tl.store(vn + r * BVP + cv[None, :], u_lo)
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo.to(kd_n.dtype), input_precision=PREC)
-    if STORE_HT:
-        tl.store(ht + s_off, S, mask=s_mask)
 
 
-@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
+@jit(do_not_specialize=["NT"])
 def _dstates_kernel(
     qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0,  # dh: dS per chunk; dvn: dU per chunk (float32)
     chunks, offsets,  # varlen only: the chunk table and first chunk of each sequence
-    T, HV, K, V, NT, NCH, N0, CS, CN,  # this launch: chunks CS .. CS + CN - 1 of sequences N0, ... (time_pieces)
+    T, HV, K, V, NT, NCH,
     BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The backward state pass of one sequence, its last chunk first, from that sequence's dht:
-    dU = Aqk^T dO + kd dS; dS <- qg^T dO + exp(gc_C) dS - w^T dU. What is left is that sequence's dh0. A launch
-    on a piece of the time axis starts from dht (the next piece's dS) and leaves its dS in dh0."""
+    dU = Aqk^T dO + kd dS; dS <- qg^T dO + exp(gc_C) dS - w^T dU. What is left is that sequence's dh0."""
     i_v = tl.program_id(0)
-    i_nh = N0 * HV + tl.program_id(1)
+    i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     c0, n_chunks = seq_chunks(i_n, offsets, NT, IS_VARLEN)
-    c0 += CS
-    n_chunks = tl.minimum(n_chunks - CS, CN)
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
@@ -251,14 +237,13 @@ def _dstates_kernel(
         tl.store(dh0 + s_off, dS, mask=s_mask)
 
 
-@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
+@jit(do_not_specialize=["NT"])
 def _local_v_kernel(
     q, k, v, g, beta, do,  # inputs and dO
     u, w, x, h, vn, dh, dvn,  # recomputed intermediates
     dv, dq, dk, dgc, dgc_end, db_part, dA_part, dAqk,  # outputs (dq, dk, dgc partial; dA, dAqk for kernel 6)
     chunks,  # varlen only: the chunk table
     T, H, HV, K, V, NT, NCH, scale, part_stride, a_stride,  # strides of db_part / dA_part between key blocks
-    N0, CS, CN,  # this launch's chunks (chunk.py's `piece_chunk`)
     BT: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, BVP: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, IS_VARLEN: tl.constexpr, FIRST: tl.constexpr,
 ):  # fmt: skip
@@ -272,7 +257,7 @@ def _local_v_kernel(
     z = K / BK - 1). A branch on the program id inside the value loop (`if i_k == 0`) compiled to wrong code
     on the H200 with Triton 3.6 (dv, dA and dbeta wrong in bf16, dAqk in float32; right under the
     interpreter); as a constexpr the branch is resolved when the kernel is compiled."""
-    i_c = tl.program_id(0) if IS_VARLEN else piece_chunk(NT, N0, CS, CN)
+    i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
     if not FIRST:
@@ -426,7 +411,7 @@ def _local_k_block(
     return db_all, col_x
 
 
-@jit(do_not_specialize=["NT", "N0", "CS", "CN"])
+@jit(do_not_specialize=["NT"])
 def _local_k_kernel(
     q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
     dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)
@@ -434,7 +419,6 @@ def _local_k_kernel(
     dbeta_part,  # float32 [cdiv(K, BK), B * T * HV]: this key block's share of dbeta
     chunks,  # varlen only: the chunk table
     T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
-    N0, CS, CN,  # this launch's chunks (chunk.py's `piece_chunk`)
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
 ):  # fmt: skip
@@ -442,7 +426,7 @@ def _local_k_kernel(
     Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
     they are loaded (`_sum_shares`). Every term is per key channel except dbeta, a sum over them: each key
     block writes its share, and the launcher adds the shares."""
-    i_c = tl.program_id(0) if IS_VARLEN else piece_chunk(NT, N0, CS, CN)
+    i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -490,17 +474,12 @@ def _local_k_kernel(
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
-    lk_stages=None, kept=None, bv=None, wu_prec=None, pieces=None,
+    lk_stages=None, kept=None, bv=None, wu_prec=None,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
     `kept`: the forward's intermediates (`chunk_kda_fwd`'s `keep` dict), used instead of running kernels
     1-2 again. The dict is emptied, so that each buffer is freed here as soon as it is no longer needed.
-
-    `pieces`: as `chunk_kda_fwd`'s (chunk.py's `time_pieces` when None; one under the interpreter). On a GPU
-    the two passes (3, 4) of each piece run on chunk.py's side stream: 3 as soon as its piece is prepared, 4
-    from the last piece back to the first, and 5-6 of a piece on the current stream as soon as 4 is done
-    with it, beside 4 on the pieces before.
 
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
@@ -532,60 +511,50 @@ def chunk_kda_bwd(
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
 
-    # The work in pieces (chunk.py's `time_pieces`): on a GPU the two passes, chains of one latency-bound
-    # program per multiprocessor, run on chunk.py's side stream beside the parallel kernels of other pieces.
-    nt = NCH if varlen else NT
-    cut = time_pieces(
-        N, nt, HV, V, BVP, idt.itemsize, varlen, dev, 1 if pieces is None and interpreting() else pieces
-    )
-    side = scan_stream(dev) if len(cut) > 1 and q.is_cuda else None
-    main = torch.cuda.current_stream(dev) if side is not None else None
-    chained = any(cs > 0 for _, _, cs, _ in cut)  # pieces of the time axis pass S and dS on in float32
-    s_chain, ds_chain = (torch.empty(N, HV, K, V, **f32) if chained else None for _ in range(2))
-    stages = 1 if BK * idt.itemsize > 512 else 2
-    h = torch.empty(HV * NCH, BK, BVP, **lo)
-    vn = torch.empty(rows, BVP, **lo)
-    dh = torch.empty(HV * NCH, BK, BVP, **lo)
-    dvn = torch.empty(rows, BVP, **f32)
-
-    def on_side(wait=True):
-        if side is None:
-            return nullcontext()
-        if wait:  # after what the current stream has launched so far (this piece's prepare kernels)
-            side.wait_stream(main)
-        return torch.cuda.stream(side)
-
-    def states(buffers, piece):  # 3. the forward state pass over one piece: S0 and U of each chunk
-        n0, nn, cs, cn = piece
-        block = bv or scan_value_block(nn * HV, V, BVP, idt.itemsize)
-        with on_side():
-            _states_kernel[(triton.cdiv(V, block), nn * HV)](
-                buffers["w"], buffers["u"], buffers["kd"], buffers["gl"], h0 if cs == 0 else s_chain, h, vn,
-                s_chain, offsets, HV, K, V, NT, NCH, n0, cs, cn,
-                BT=BT, BK=BK, BVP=BVP, BV=block, USE_H0=h0 is not None or cs > 0, STORE_HT=cs + cn < nt,
-                PREC=prec, IS_VARLEN=varlen, num_warps=4, num_stages=stages,
-            )  # fmt: skip
-
-    # 1-3. Recompute the chunk-local intermediates and the UT inverse (or take the forward's), each piece's
-    # state pass as soon as the piece is prepared.
+    # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's).
     if kept is None:
-        kept = prepare_chunks(
-            q, k, v, g, beta, scale, layout, store_x=True, wu_prec=wu_prec, pieces=cut, after_piece=states
-        )[0]
-    else:
-        for piece in cut:
-            states(kept, piece)
+        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True, wu_prec=wu_prec)[0]
     w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
 
-    # 5-6 need, for each chunk, what 3 and 4 store for it; 4 runs backwards through time, so the pieces go last
-    # first: 4 on one piece (on the side stream), then 5-6 on it while 4 goes on with the piece before.
+    # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
+    bv = bv or scan_value_block(N * HV, V, BVP, idt.itemsize)
+    stages = 1 if BK * w.element_size() > 512 else 2
+    h = torch.empty(HV * NCH, BK, BVP, **lo)
+    vn = torch.empty(rows, BVP, **lo)
+    _states_kernel[(triton.cdiv(V, bv), N * HV)](
+        w, u, kd, gl, h0, h, vn, offsets, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_H0=h0 is not None, PREC=prec, IS_VARLEN=varlen,
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    dh = torch.empty(HV * NCH, BK, BVP, **lo)
+    dvn = torch.empty(rows, BVP, **f32)
+    _dstates_kernel[(triton.cdiv(V, bv), N * HV)](
+        qg, kd, w, aqk, gl, do, dht, dh, dvn, dh0, chunks, offsets, T, HV, K, V, NT, NCH,
+        BT=BT, BK=BK, BVP=BVP, BV=bv, USE_DHT=dht is not None, STORE_DH0=h0 is not None, PREC=prec,
+        IS_VARLEN=varlen, num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    del qg, kd
+
+    # 5-6. Chunk-local gradients.
     dgc_end = torch.empty(HV * NCH, BK, **f32)
-    dAqk = aqk  # Aqk is no longer needed after kernel 4 (of the same chunk): its buffer takes dAqk
+    dAqk = aqk  # Aqk is no longer needed after kernel 4: its buffer takes dAqk
     kbv = min(BK, lv_block)  # key channels per program of _local_v_kernel
     nkb = triton.cdiv(K, kbv)
     dA_part = torch.empty(nkb, *x.shape, **f32)  # each key block's share of dA (X is still being read)
     x_numel = x.numel()
     db_part = torch.empty(nkb, B * T * HV, **f32)
+    for first, grid in ((True, (NCH, HV, 1)), (False, (NCH, HV, nkb - 1))):  # key block 0, then the rest
+        if grid[2] == 0:
+            continue
+        _local_v_kernel[grid](
+            q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, db_part, dA_part, dAqk,
+            chunks, T, H, HV, K, V, NT, NCH, scale, B * T * HV, x_numel,
+            BT=BT, BK=kbv, BKP=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen, FIRST=first,
+            num_warps=lv_warps, **_local_v_stages(BK, w.element_size()),
+        )  # fmt: skip
+    del x  # dA stays as its nkb shares: _local_k_kernel adds them as it loads them
+    dbeta.copy_(db_part.sum(0).view(dbeta.shape))
+    del db_part
     kb = min(BK, lk_block)  # key channels per program: [64, kb] tiles instead of [64, K] ones
     dbeta_part = torch.zeros(triton.cdiv(K, kb), B * T * HV, **f32)
     # With one value head per key head, local_k writes dq and dk in the inputs' dtype: no cast kernels after.
@@ -595,40 +564,16 @@ def chunk_kda_bwd(
             torch.empty(q.shape, device=dev, dtype=q.dtype),
             torch.empty(k.shape, device=dev, dtype=k.dtype),
         )
-    for n0, nn, cs, cn in reversed(cut):
-        block = bv or scan_value_block(nn * HV, V, BVP, idt.itemsize)
-        last, first = cs + cn == nt, cs == 0  # in time
-        with on_side(wait=False):  # 4. the backward state pass over this piece (side: after every 3)
-            _dstates_kernel[(triton.cdiv(V, block), nn * HV)](
-                qg, kd, w, aqk, gl, do, dht if last else ds_chain, dh, dvn, dh0 if first else ds_chain,
-                chunks, offsets, T, HV, K, V, NT, NCH, n0, cs, cn,
-                BT=BT, BK=BK, BVP=BVP, BV=block, USE_DHT=dht is not None or not last,
-                STORE_DH0=h0 is not None or not first, PREC=prec, IS_VARLEN=varlen, num_warps=4,
-                num_stages=stages,
-            )  # fmt: skip
-        if side is not None:
-            main.wait_stream(side)
-        grid = NCH if varlen else nn * cn  # 5. key block 0, then the rest (FIRST, see the kernel)
-        for first_block, grid_z in ((True, 1), (False, nkb - 1)):
-            if grid_z == 0:
-                continue
-            _local_v_kernel[(grid, HV, grid_z)](
-                q, k, v, g, beta, do, u, w, x, h, vn, dh, dvn, dv, dq, dk, dg, dgc_end, db_part, dA_part, dAqk,
-                chunks, T, H, HV, K, V, NT, NCH, scale, B * T * HV, x_numel, n0, cs, cn,
-                BT=BT, BK=kbv, BKP=BK, BVP=BVP, BV=min(BVP, 64), PREC=prec, IS_VARLEN=varlen,
-                FIRST=first_block, num_warps=lv_warps, **_local_v_stages(BK, idt.itemsize),
-            )  # fmt: skip
-        _local_k_kernel[(grid, HV, triton.cdiv(K, kb))](  # 6. dA shares added as they are loaded
-            q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
-            chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel, n0, cs, cn,
-            BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb,
-            num_warps=lk_warps,
-            **({} if lk_stages is None else dict(num_stages=lk_stages)),
-        )  # fmt: skip
-    del x, qg, kd, dq, dk, dA_part  # the side stream is done with them: the current stream waited for it
-    dbeta.copy_(db_part.sum(0).view(dbeta.shape))
+    _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
+        q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
+        chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
+        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb,
+        num_warps=lk_warps,
+        **({} if lk_stages is None else dict(num_stages=lk_stages)),
+    )  # fmt: skip
+    del dq, dk, dA_part
     dbeta += dbeta_part.sum(0).view(dbeta.shape)
-    del db_part, dbeta_part  # the shares are gone before the casts
+    del dbeta_part  # the shares are gone before the casts
     return _finish(q, k, g, beta, dq_out, dk_out, dv, dg, dbeta, dh0, H)
 
 

@@ -199,33 +199,6 @@ def test_varlen_gradients_equal_separate_runs():
         assert rel_rms(x, r) <= 1e-6, (name, rel_rms(x, r))
 
 
-PIECES = {  # chunk.py's `time_pieces` forms, forced (the interpreter's default is one piece): 2 x 300 steps
-    "time_3": 3,  # three pieces of the time axis (chunks 0-1, 2-3, 4)
-    "sequences": [(0, 1, 0, 5), (1, 1, 0, 5)],  # one piece per sequence
-    "both": [(0, 2, 0, 2), (0, 1, 2, 3), (1, 1, 2, 3)],  # a piece of time, then one per sequence
-}
-
-
-@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
-@pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
-def test_gradients_in_pieces_match_fp64_loop(pieces, keep):
-    """The forward and backward in pieces (on a GPU the state passes of a piece run on a side stream beside
-    the chunk-local kernels of others; here one after the other): every gradient against the float64 loop,
-    with h0 and dht, two value heads per key head, two key blocks in `_local_v_kernel`, with the forward's
-    intermediates recomputed or kept."""
-    inputs, do, dht = make_inputs(2, 300, 1, 2, 32, 16)
-    ref = oracle(inputs, do, dht)
-    fwd, bwd = chunk_bwd.chunk_kda_fwd, chunk_bwd.chunk_kda_bwd
-    with (
-        mock.patch.object(chunk_bwd, "chunk_kda_fwd", functools.partial(fwd, pieces=pieces)),
-        mock.patch.object(chunk_bwd, "chunk_kda_bwd", functools.partial(bwd, pieces=pieces, lv_block=16)),
-    ):
-        got = grads(functools.partial(chunk_kda, keep_intermediates=keep), inputs, do, dht)
-    tol = 1e-5 if DEVICE == "cpu" else 2e-3
-    for name, x, r in zip(NAMES, got, ref, strict=True):
-        assert rel_rms(x, r) <= tol, (name, rel_rms(x, r))
-
-
 KNOBS = {  # the chunk-local kernels split over key blocks: several blocks per chunk, a last one past K
     "lk16_lv16": dict(lk_block=16, lv_block=16),
     "lk16_lv32_8warps": dict(lk_block=16, lk_warps=8, lv_block=32, lv_warps=4),

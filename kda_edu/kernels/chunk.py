@@ -995,14 +995,17 @@ def time_pieces(
     prepare kernels of one piece, then its scan on the side stream, then the next piece. N sequences of NT
     chunks (with cu_seqlens: NT all the chunks, one piece), HV value heads, V value columns.
 
-    One piece when there are fewer than PIECE_MIN_CHUNK_HEADS chunks x value heads: the launches of more
-    pieces would cost more than the overlap saves. When the scan takes more than one wave of programs on this
-    GPU (`scan_value_block`), pieces of whole sequences, as many as fill one wave each: the first piece's
-    scan then runs beside the next one's prepare kernels. Else pieces of the time axis of every sequence,
-    round(sqrt(NT / 32)) of them (2 at 8K tokens, 4 at 32K, 8 from 128K; bench/results/h200_time_pieces_*.json:
-    the overlap saved grows with the piece count, the fill and drain of the pipeline shrink with it, and the
-    launches grow with it), at most PIECES_MAX. `pieces` overrides: an int (pieces of the time axis) or a
-    list of pieces."""
+    One piece when there are fewer than PIECE_MIN_CHUNK_HEADS chunks x value heads (the launches of more
+    pieces would cost more than the overlap saves: 0.18 ms in one piece at (1, 2048, 16) on the H200, 0.32 in
+    two), and when the scan takes more than one wave of programs on this GPU (`scan_value_block`): it then
+    fills the GPU itself, and nothing is left to overlap (at (8, 4096, 16), two waves: 1.86 ms in one piece,
+    1.86 in two of the time axis, 1.92 in four pieces of two sequences each). Else pieces of the time axis of
+    every sequence, round(sqrt(NT / 32)) of them, at most PIECES_MAX: 2 at 8K tokens, 4 at 32K, 8 from 128K
+    (the overlap grows with the count, and so do the launches; on the H200 at (1, 8192, 32) 1.04 / 1.00 /
+    1.02 ms in 1 / 2 / 4 pieces, at (1, 32768, 32) 4.00 / 3.77 / 3.71 / 3.78 in 1 / 2 / 4 / 8, at
+    (1, 131072, 16) 9.59 / 8.20 / 8.13 in 1 / 4 / 8; bench/results/h200_time_pieces_45df1a5.json). `pieces`
+    overrides: an int (pieces of the time axis) or a list of pieces (sequences and time, as the kernels
+    take them)."""
     if isinstance(pieces, list):
         return pieces
     whole = [(0, N, 0, NT)]
@@ -1012,15 +1015,12 @@ def time_pieces(
         if N * NT * HV < PIECE_MIN_CHUNK_HEADS:
             return whole
         index = None if device is None else torch.device(device).index
-        sms = (
-            132
-            if device is None
-            else _multiprocessors(torch.cuda.current_device() if index is None else index)
-        )
-        blocks = triton.cdiv(V, scan_value_block(N * HV, V, BVP, itemsize, sms))
-        if N * HV * blocks > sms:  # more than one wave: pieces of sequences, one wave each
-            per = max(1, sms // (HV * triton.cdiv(V, 32)))
-            return [(n0, min(per, N - n0), 0, NT) for n0 in range(0, N, per)] if per < N else whole
+        if device is None:
+            sms = 132  # the H200's
+        else:
+            sms = _multiprocessors(torch.cuda.current_device() if index is None else index)
+        if N * HV * triton.cdiv(V, scan_value_block(N * HV, V, BVP, itemsize, sms)) > sms:
+            return whole  # the scan fills the GPU in more than one wave
         pieces = min(PIECES_MAX, max(1, round((NT / 32) ** 0.5)))
     size = triton.cdiv(NT, max(1, min(pieces, NT)))
     return [(0, N, cs, min(size, NT - cs)) for cs in range(0, NT, size)]

@@ -237,8 +237,7 @@ def test_pieces_of_sequences_match_fp64_loop():
 def test_time_pieces_cover_every_chunk_once(NT):
     """`time_pieces` (on 132 multiprocessors, K = V = 128, bf16) covers every chunk of every sequence once, in
     order within each sequence: 2, 4 and 8 pieces of the time axis at 8K, 32K and 128K tokens of one sequence
-    with 32 or 16 heads; pieces of two sequences each at (8, 4096, 16), whose scan takes two waves; one
-    piece with cu_seqlens, with too little work, or when asked for one."""
+    with 32 or 16 heads; one piece with cu_seqlens, with too little work, or when asked for one."""
     from kda_edu.kernels.chunk import PIECE_MIN_CHUNK_HEADS, PIECES_MAX, time_pieces
 
     def covered(cut, N):
@@ -260,9 +259,10 @@ def test_time_pieces_cover_every_chunk_once(NT):
             assert len(time_pieces(1, NT, H, 128, 128, 2, False)) == expected
 
 
-def test_sequence_pieces_at_eight_sequences_of_4k():
-    """(8, 4096, 16) on 132 multiprocessors: blocks of 64 value columns make 256 scan programs, two waves, so
-    the work goes in four pieces of two sequences, each a 128-program wave."""
+def test_one_piece_when_the_scan_takes_more_than_one_wave():
+    """(8, 4096, 16) on 132 multiprocessors: blocks of 64 value columns make 256 scan programs, two waves; the
+    scan fills the GPU by itself, and the forward runs in one piece. (1, 8192, 32): 128 programs, two pieces."""
     from kda_edu.kernels.chunk import time_pieces
 
-    assert time_pieces(8, 64, 16, 128, 128, 2, False) == [(n, 2, 0, 64) for n in (0, 2, 4, 6)]
+    assert time_pieces(8, 64, 16, 128, 128, 2, False) == [(0, 8, 0, 64)]
+    assert time_pieces(1, 128, 32, 128, 128, 2, False) == [(0, 1, 0, 64), (0, 1, 64, 64)]

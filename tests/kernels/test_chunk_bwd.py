@@ -199,6 +199,29 @@ def test_varlen_gradients_equal_separate_runs():
         assert rel_rms(x, r) <= 1e-6, (name, rel_rms(x, r))
 
 
+PIECES = {  # chunk.py's `time_pieces` forms, forced (the interpreter's default is one piece): 2 x 300 steps
+    "time_3": 3,  # three pieces of the time axis (chunks 0-1, 2-3, 4)
+    "both": [(0, 2, 0, 2), (0, 1, 2, 3), (1, 1, 2, 3)],  # a piece of time, then one per sequence
+}
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
+@pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
+def test_gradients_after_a_forward_in_pieces(pieces, keep):
+    """The forward in pieces (on a GPU each piece's scan on a side stream), then the backward: every gradient
+    against the float64 loop, with h0 and dht, two value heads per key head; with the intermediates kept, the
+    backward reads the buffers that the pieces' prepare kernels filled."""
+    inputs, do, dht = make_inputs(2, 300, 1, 2, 32, 16)
+    ref = oracle(inputs, do, dht)
+    with mock.patch.object(
+        chunk_bwd, "chunk_kda_fwd", functools.partial(chunk_bwd.chunk_kda_fwd, pieces=pieces)
+    ):
+        got = grads(functools.partial(chunk_kda, keep_intermediates=keep), inputs, do, dht)
+    tol = 1e-5 if DEVICE == "cpu" else 2e-3
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        assert rel_rms(x, r) <= tol, (name, rel_rms(x, r))
+
+
 KNOBS = {  # the chunk-local kernels split over key blocks: several blocks per chunk, a last one past K
     "lk16_lv16": dict(lk_block=16, lv_block=16),
     "lk16_lv32_8warps": dict(lk_block=16, lk_warps=8, lv_block=32, lv_warps=4),

@@ -157,5 +157,5 @@ def test_program_ids_cover_the_output_once():
 def test_unspecialised_reads_do_not_specialize():
     from kda_edu.kernels import chunk
 
-    assert primer.unspecialised(chunk._chunk_scan_kernel) == {"NT"}
+    assert primer.unspecialised(chunk._chunk_scan_kernel) == {"NT", "N0", "CS", "CN"}
     assert primer.unspecialised(primer.add_kernel) == set()

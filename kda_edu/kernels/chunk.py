@@ -929,8 +929,9 @@ def chunk_kda_fwd(
     scan program, `kc` key (and value) columns per step of the gram and w/u kernels' column loops,
     `warps_prepare` warps per program of the three prepare kernels (gram, inverse, w/u), `warps_scan` of the
     scan, `stages` pipeline depth of the scan loop; `wu_prec` "bf16" for bfloat16 operands in the w/u kernel's
-    products (`prepare_chunks`); `pieces` how many pieces to cut the time axis into (`time_pieces` when None;
-    under the interpreter the pieces run one after the other on one stream). `stop_after="prepare"` stops after
+    products (`prepare_chunks`); `pieces` how many pieces to cut the time axis into, or an explicit
+    list of pieces (`time_pieces`' choice when None, one piece under the interpreter, where pieces asked for run
+    one after the other on one stream). `stop_after="prepare"` stops after
     the three prepare kernels (to time them alone); `info`, a dict, receives registers / spills / shared memory
     of each kernel, by `KERNELS`' names. `keep`, a dict, receives the prepare kernels' outputs (w, u, qg, kd,
     aqk, gl) and X = (I + L)^-1: everything the backward would otherwise recompute first.

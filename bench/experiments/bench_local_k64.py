@@ -44,6 +44,8 @@ VARIANTS = {  # name: (kernel, launcher knobs, extra constexprs of the kernel)
     "k64-64x8": (_local_k64_kernel, dict(lk_block=64, lk_warps=8), {}),
     "k64-32x4-1stage": (_local_k64_kernel, dict(lk_block=32, lk_warps=4, lk_stages=1), {}),
     "k64-32x4-tf32": (_local_k64_kernel, dict(lk_block=32, lk_warps=4), dict(SPLIT16=False)),
+    "k64-32x8-tf32": (_local_k64_kernel, dict(lk_block=32, lk_warps=8), dict(SPLIT16=False)),
+    "k64-64x8-tf32": (_local_k64_kernel, dict(lk_block=64, lk_warps=8), dict(SPLIT16=False)),
 }
 
 

@@ -5,8 +5,9 @@ log-space gate g = -5 sigmoid(N(0, 1) - 2); K = V = 128. One step = forward, the
 a fixed random do; every input requires grad. Timed with `triton.testing.do_bench` (median), gradients reset
 to None between steps. Peak memory: `torch.cuda.max_memory_allocated` during one step, minus what was
 allocated before it (the inputs and do), and what the forward leaves allocated for the backward. Also the
-relative difference of each of our gradients from fla's, and whether keeping the forward's intermediates
-(`keep_intermediates=True`, the "kept" rows) changes any bit of them.
+relative difference of each of our gradients from fla's, and whether what the forward keeps for the
+backward (`keep_intermediates`: the default "matrices"; "none", the "recomputed" rows; "all", the "kept"
+rows) changes any bit of them.
 
     python bench/kernels/bench_kda_bwd.py --out bench/results/h200_fwd_bwd.json
     python bench/kernels/bench_kda_bwd.py --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
@@ -58,16 +59,21 @@ def _fla(x):
     return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=False)[0]
 
 
+def _ours(keep=None):
+    """chunk_kda's output with the default `keep_intermediates` (None) or the mode `keep`."""
+    kw = {} if keep is None else dict(keep_intermediates=keep)
+    return lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False, **kw)[0]
+
+
 METHODS = {
-    "kda_edu chunk_kda": lambda x: chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], check_inputs=False)[
-        0
-    ],
-    # The same kernels, with the forward's intermediates kept for the backward instead of recomputed there.
-    "kda_edu chunk_kda kept": lambda x: chunk_kda(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], keep_intermediates=True, check_inputs=False
-    )[0],
+    "kda_edu chunk_kda": _ours(),  # the default: keep_intermediates="matrices"
+    # The same kernels, with nothing kept (the backward recomputes all three prepare kernels) and with every
+    # intermediate kept (it recomputes none).
+    "kda_edu chunk_kda recomputed": _ours("none"),
+    "kda_edu chunk_kda kept": _ours("all"),
     "fla chunk_kda": _fla,
 }
+OURS = [name for name in METHODS if name.startswith("kda_edu")]
 
 
 def step(fn, x, do):
@@ -172,9 +178,11 @@ def main():
             row["rel diff ours vs fla"] = {
                 n: ((a - b).norm() / b.norm()).item() for n, a, b in zip(NAMES, ours, fla, strict=True)
             }
-        if "kda_edu chunk_kda kept" in grads and "kda_edu chunk_kda" in grads:
-            pairs = zip(grads["kda_edu chunk_kda"], grads["kda_edu chunk_kda kept"], strict=True)
-            row["kept gradients equal to recomputed"] = all(torch.equal(a, b) for a, b in pairs)
+        base = grads.get("kda_edu chunk_kda recomputed")
+        for name in OURS[:1] + OURS[2:]:  # every mode of ours against recomputing everything, bit for bit
+            if base is not None and name in grads:
+                pairs = zip(base, grads[name], strict=True)
+                row[f"{name} gradients equal to recomputed"] = all(torch.equal(a, b) for a, b in pairs)
         if (B, T, H) == MEMORY:
             for name, fn in METHODS.items():
                 try:

@@ -663,7 +663,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    keep_intermediates: bool = False,
+    keep_intermediates: bool | str = "matrices",
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with Triton kernels; the contract of `kda_edu.ops.kda.kda_chunked`, with the differences below.
@@ -683,12 +683,15 @@ def chunk_kda(
         output_final_state: also return the state after the last step (of each sequence).
         cu_seqlens: optional int32/int64 `[N + 1]` cumulative sequence lengths (FlashAttention's convention)
             for N sequences packed along T with B = 1; each sequence runs as if alone, from its own state.
-        keep_intermediates: only with gradients: keep the forward's chunk intermediates (w, u, qg, kd, Aqk
-            and X = (I + L)^-1, about 1.1 times the bytes of q, k, v and g together at K = V = 128 in bf16)
-            until the backward, instead of recomputing them there. The backward then skips its first kernel;
-            the memory held between forward and backward grows by those bytes, its peak does not (H200,
-            (1, 32768, 32), bf16: 1.63 GiB held against 0.25 recomputing and fla's 1.00; peak 5.41 GiB in
-            both modes, fla's 7.02; bench/results/h200_fwd_bwd.json). Off by default for that reason.
+        keep_intermediates: only with gradients: what the forward keeps of its chunk intermediates until the
+            backward, instead of recomputing them there (`KEEP_MODES`). "matrices" (the default): the two
+            C x C matrices per chunk, X = (I + L)^-1 (float32) and Aqk, and qg; the backward then runs only
+            the w/u kernel of the three prepare kernels, the cheapest, to remake w, u, kd and gl. "all" (or
+            True): everything the prepare kernels make (w, u, qg, kd, Aqk, gl and X, about 1.1 times the
+            bytes of q, k, v and g together at K = V = 128 in bf16); the backward skips all three. "none"
+            (or False): nothing; the backward recomputes all three. The gradients are the same in every
+            mode; the memory held between forward and backward, and the time, are not (chapter 9, "Recompute
+            or store", has the H200's numbers from bench/results/h200_fwd_bwd.json).
         check_inputs: check the values of g (<= 0, not NaN; -inf is a reset) and beta (in [0, 1], not NaN),
             as `kda_chunked` does: one reduction over g and beta and one device-to-host copy of its result
             (a synchronisation on a GPU). False skips it; the kernels then compute the same formulas on
@@ -731,13 +734,34 @@ def chunk_kda(
         check_gate_values(g, beta)
     h0 = initial_state.contiguous() if initial_state is not None else None
     scale = resolve_scale(scale, K)
+    keep = keep_mode(keep_intermediates)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         from kda_edu.kernels.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
 
         return ChunkKDAFunction.apply(
-            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, bool(keep_intermediates)
+            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep
         )
     return chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+
+
+# What `chunk_kda(keep_intermediates=...)` keeps for the backward, by mode: the names of `prepare_chunks`'
+# buffers. "matrices" keeps what the gram and inverse kernels make, so that the backward runs only the w/u kernel.
+KEEP_MODES = {
+    "none": (),
+    "matrices": ("x", "aqk", "qg"),
+    "all": ("w", "u", "qg", "kd", "aqk", "gl", "x"),
+}
+
+
+def keep_mode(keep_intermediates) -> str:
+    """The `KEEP_MODES` name of a `keep_intermediates` argument (True is "all", False is "none")."""
+    if keep_intermediates is True or keep_intermediates is False:
+        return "all" if keep_intermediates else "none"
+    if isinstance(keep_intermediates, str) and keep_intermediates in KEEP_MODES:
+        return keep_intermediates
+    raise ValueError(
+        f"keep_intermediates must be True, False or one of {sorted(KEEP_MODES)}, got {keep_intermediates!r}"
+    )
 
 
 def check_gate_values(g: torch.Tensor, beta: torch.Tensor) -> None:
@@ -829,9 +853,14 @@ def prepare_chunks(
     wu_prec=None,
     pieces=None,
     after_piece=None,
+    reuse=None,
 ):
     """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
     backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
+
+    `reuse`: a dict holding x (X, float32), aqk and qg from an earlier call on the same inputs (the forward's,
+    kept for the backward by `keep_intermediates="matrices"`). Then only the w/u kernel runs: it reads X and
+    writes w, u, kd and gl; the gram and inverse kernels, which make X, Aqk and qg, are skipped.
 
     `pieces`: `time_pieces`' list of (first sequence, sequences, first chunk, chunks), launched one after the
     other (all chunks at once when None); `after_piece(buffers, piece)` is called after each piece's three
@@ -860,6 +889,8 @@ def prepare_chunks(
         gl=torch.empty(HV * NCH, BK, **f32),
         x=torch.empty(rows, BT, **f32),  # L, then X = (I + L)^-1 in its place
     )
+    if reuse is not None:
+        buffers.update((name, reuse[name]) for name in ("x", "aqk", "qg"))
     if NCH == 0:
         buffers["x"] = buffers["x"] if store_x else None
         return buffers, {}
@@ -880,14 +911,16 @@ def prepare_chunks(
     for piece in pieces or [(0, NCH // nt, 0, nt)]:
         n0, nn, cs, cn = piece
         grid = (NCH if varlen else nn * cn, HV)  # with cu_seqlens one piece: every chunk
-        kernels = dict(
-            gram=_chunk_gram_kernel[grid](
+        kernels = {}
+        if reuse is None:
+            kernels["gram"] = _chunk_gram_kernel[grid](
                 q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale, n0, cs, cn,
                 BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],
-            ),
-            inverse=_chunk_inverse_kernel[grid](
+            )  # fmt: skip
+            kernels["inverse"] = _chunk_inverse_kernel[grid](
                 x, nt, NCH, n0, cs, cn, BT=BT, BC=SUB, PREC=prec, num_warps=warps[1]
-            ),
+            )
+        kernels.update(
             wu=_chunk_wu_kernel[grid](
                 k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH, n0, cs, cn,
                 BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,

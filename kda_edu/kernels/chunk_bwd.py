@@ -56,14 +56,17 @@ head) over that sequence's chunks only (per-sequence chunk offsets), starting fr
 pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
 Without cu_seqlens, chunk i_c is chunk i_c % NT of batch row i_c // NT, with no table (IS_VARLEN = False).
 
-What the forward keeps: by default only q, k, v, g, beta, h0 and cu_seqlens, and the backward recomputes
-everything else; with `keep_intermediates=True` the forward also keeps its prepare kernels' outputs and X (its
-`prepare_chunks` call with store_x=True, the same kernels and launches as the backward's), and the backward
-skips 1-2, with the same gradients bit for bit. Recomputing 1-2 costs O(T C K) parallel work, exactly a
-forward's prepare; storing them costs (3K + V + 2C) numbers per step and head, held from the forward to the
-backward. The per-chunk states S0 (kernel 3) are the one thing that cannot be
-recomputed locally: they are stored for the duration of the backward only, in the 16-bit input dtype
-(float32 for float32 inputs), the precision the forward itself multiplies them in.
+What the forward keeps besides q, k, v, g, beta, h0 and cu_seqlens (`keep_intermediates`, chunk.py's
+`KEEP_MODES`): by default ("matrices") the two C x C matrices of each chunk, X and Aqk, and qg, which its
+gram and inverse kernels made; the backward then runs only the w/u kernel of 1-2 (w, u, kd and gl from X and
+the inputs). With "all" it keeps every output of its prepare kernels and X (its `prepare_chunks` call with
+store_x=True, the same kernels and launches as the backward's) and the backward skips 1-2; with "none" the
+backward runs all of 1-2 again. The gradients are the same bit for bit in the three modes. Recomputing 1-2
+costs O(T C K) parallel work, exactly a forward's prepare; storing all of it costs (3K + V + 2C) numbers per
+step and head, the matrices and qg (K + 2C), held from the forward to the backward. The per-chunk states
+S0 (kernel 3) are the one thing that cannot be recomputed locally: they are stored for the duration of the
+backward only, in the 16-bit input dtype (float32 for float32 inputs), the precision the forward itself
+multiplies them in.
 
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
 before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use
@@ -82,6 +85,7 @@ from kda_edu.kernels._backend import jit
 from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     CHUNK,
     DIAG_LIMIT,
+    KEEP_MODES,
     KERNEL_GATE_FLOOR,
     SUB,
     base2_gates,
@@ -478,8 +482,9 @@ def chunk_kda_bwd(
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
-    `kept`: the forward's intermediates (`chunk_kda_fwd`'s `keep` dict), used instead of running kernels
-    1-2 again. The dict is emptied, so that each buffer is freed here as soon as it is no longer needed.
+    `kept`: the forward's intermediates (`chunk_kda_fwd`'s `keep` dict, cut to a `KEEP_MODES` entry), used
+    instead of running kernels 1-2 again: all of them, or X, Aqk and qg, and then only the w/u kernel runs.
+    The dict is emptied, so that each buffer is freed here as soon as it is no longer needed.
 
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
@@ -511,9 +516,12 @@ def chunk_kda_bwd(
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return _finish(q, k, g, beta, dq, dk, dv, dg, dbeta, dh0, H)
 
-    # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's).
-    if kept is None:
-        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True, wu_prec=wu_prec)[0]
+    # 1-2. Recompute the chunk-local intermediates and the UT inverse (or take the forward's: all of them, or
+    # its matrices X and Aqk and qg, and then remake the rest with the w/u kernel alone).
+    if kept is None or set(kept) != set(KEEP_MODES["all"]):
+        reuse = {name: kept.pop(name) for name in list(kept)} if kept else None  # emptied, as below
+        kept = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=True, wu_prec=wu_prec, reuse=reuse)[0]
+        del reuse
     w, u, qg, kd, aqk, gl, x = (kept.pop(name) for name in ("w", "u", "qg", "kd", "aqk", "gl", "x"))
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
@@ -600,8 +608,8 @@ def _local_v_stages(BK: int, itemsize: int) -> dict:
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """`chunk_kda` with a Triton backward. The forward saves its inputs, and with `keep_intermediates` also
-    its chunk intermediates; otherwise the backward recomputes them.
+    """`chunk_kda` with a Triton backward. The forward saves its inputs, and the chunk intermediates that
+    `keep_intermediates` (a `KEEP_MODES` name) names; the backward recomputes the others.
 
     The intermediates are not saved tensors but a dict on ctx that the first backward empties (each buffer is
     freed as soon as that backward is done with it, and `aqk` becomes dAqk in place). A second backward
@@ -613,8 +621,10 @@ class ChunkKDAFunction(torch.autograd.Function):
     ):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = initial_state.contiguous() if initial_state is not None else None
-        ctx.kept = {} if keep_intermediates else None
+        ctx.kept = {} if keep_intermediates != "none" else None
         o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep=ctx.kept)
+        if ctx.kept is not None:  # the rest of the forward's buffers are freed here
+            ctx.kept = {name: ctx.kept[name] for name in KEEP_MODES[keep_intermediates]}
         ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
         ctx.scale = scale
         return o, ht

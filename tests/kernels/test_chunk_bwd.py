@@ -116,13 +116,15 @@ def test_forward_with_autograd_is_the_inference_forward():
     assert torch.equal(plain[0], trained[0].detach()) and torch.equal(plain[1], trained[1].detach())
 
 
+@pytest.mark.parametrize("mode", ["matrices", "all", True], ids=["matrices", "all", "true"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_kept_intermediates_give_the_same_bits(varlen):
-    """keep_intermediates=True hands the forward's buffers to the backward instead of recomputing them: the
-    same arithmetic on the same inputs, in two builds of the prepare kernel (one also stores X), so outputs
-    and all six gradients agree with the default's within 1e-6 relative (a few float32 roundings; chapter 9
-    states the same bound; a buffer handed over wrongly is off by order 1). The first backward empties the
-    kept buffers; a second one (retain_graph) recomputes and agrees too."""
+def test_kept_intermediates_give_the_same_bits(varlen, mode):
+    """keep_intermediates hands some of the forward's buffers to the backward instead of recomputing them
+    (all of them; or X, Aqk and qg, and the w/u kernel remakes the rest): the same arithmetic on the same
+    inputs, so outputs and all six gradients agree with those of "none" within 1e-6 relative (a few float32
+    roundings; chapter 9 states the same bound; a buffer handed over wrongly is off by order 1). The first
+    backward empties the kept buffers; a second one (retain_graph) recomputes and agrees too."""
+    kept_names = set(chunk_mod.KEEP_MODES[chunk_mod.keep_mode(mode)])
     if varlen:
         inputs, do, dht = make_inputs(1, 140, 1, 2, 16, 32, n_states=3)
         cu = torch.tensor([0, 70, 75, 140], device=DEVICE)
@@ -136,7 +138,7 @@ def test_kept_intermediates_give_the_same_bits(varlen):
             *xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, keep_intermediates=keep
         )
         kept = o.grad_fn.kept
-        assert (kept is not None and len(kept) == 7) == keep
+        assert (set(kept) if kept is not None else set()) == (kept_names if keep else set())
         loss = (o * do).sum() + (ht * dht).sum()
         out = []
         for i in range(backwards):
@@ -146,10 +148,18 @@ def test_kept_intermediates_give_the_same_bits(varlen):
         return (o.detach(), ht.detach()), out
 
     (o_a, ht_a), (grads_a,) = run(False)
-    (o_b, ht_b), (grads_b, grads_again) = run(True, backwards=2)
+    (o_b, ht_b), (grads_b, grads_again) = run(mode, backwards=2)
     assert rel_rms(o_b, o_a) <= 1e-6 and rel_rms(ht_b, ht_a) <= 1e-6
     for name, a, b, c in zip(NAMES, grads_a, grads_b, grads_again, strict=True):
         assert rel_rms(b, a) <= 1e-6 and rel_rms(c, a) <= 1e-6, name
+
+
+@pytest.mark.parametrize("bad", ["yes", "w", 1, None])
+def test_rejects_an_unknown_keep_mode(bad):
+    inputs, _, _ = make_inputs(1, 4, 1, 1, 16, 16)
+    xs = [x.detach().clone().requires_grad_() for x in inputs[:5]]
+    with pytest.raises(ValueError, match="keep_intermediates must be True, False or one of"):
+        chunk_kda(*xs, keep_intermediates=bad)
 
 
 def test_rejects_unsupported_dtype():
@@ -205,7 +215,7 @@ PIECES = {  # chunk.py's `time_pieces` forms, forced (the interpreter's default 
 }
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["recomputed", "kept"])
+@pytest.mark.parametrize("keep", [False, "matrices", True], ids=["recomputed", "matrices", "kept"])
 @pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
 def test_gradients_after_a_forward_in_pieces(pieces, keep):
     """The forward in pieces (on a GPU each piece's scan on a side stream), then the backward: every gradient

@@ -108,10 +108,12 @@ def per_kernel_us(prof, width=60):
 
 def kernel_times(x, do):
     """CUDA time per kernel of one forward and of its backward (torch profiler, one profile each, since both
-    passes run the prepare kernels), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`."""
+    passes run the prepare kernels), in microseconds: `{"forward": {name: us}, "backward": {name: us}}`. The
+    backward is the recomputing mode's ("none"), which runs every kernel; the default mode's backward runs
+    the same kernels less the gram and inverse kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn = METHODS["kda_edu chunk_kda"]
+    fn = METHODS["kda_edu chunk_kda recomputed"]
     with profile(activities=[ProfilerActivity.CUDA]) as fwd:
         o = fn(x)
         torch.cuda.synchronize()

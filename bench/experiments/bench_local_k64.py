@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from bench_kda import run_environment  # noqa: E402
 from bench_kda_bwd import METHODS, NAMES, make_inputs, per_kernel_us, step  # noqa: E402
 from local_k64 import _local_k64_kernel  # noqa: E402
+from local_k_sub import LocalKSub, local_k_sub  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kda_edu.kernels import chunk_bwd  # noqa: E402
@@ -46,6 +47,11 @@ VARIANTS = {  # name: (kernel, launcher knobs, extra constexprs of the kernel)
     "k64-32x4-tf32": (_local_k64_kernel, dict(lk_block=32, lk_warps=4), dict(SPLIT16=False)),
     "k64-32x8-tf32": (_local_k64_kernel, dict(lk_block=32, lk_warps=8), dict(SPLIT16=False)),
     "k64-64x8-tf32": (_local_k64_kernel, dict(lk_block=64, lk_warps=8), dict(SPLIT16=False)),
+    "sub-32x2": (local_k_sub, dict(lk_block=32, lk_warps=2), {}),
+    "sub-32x4": (local_k_sub, dict(lk_block=32, lk_warps=4), {}),
+    "sub-64x4": (local_k_sub, dict(lk_block=64, lk_warps=4), {}),
+    "sub-32x4-r128": (LocalKSub(maxnreg=128, name="_local_k_sub_r128"), dict(lk_block=32, lk_warps=4), {}),
+    "sub-32x4-wide": (LocalKSub(tiles=False, name="_local_k_sub_wide"), dict(lk_block=32, lk_warps=4), {}),
 }
 
 
@@ -107,7 +113,7 @@ def _local_k_us(x, do, fn) -> dict:
     for t in x.values():
         t.grad = None
     times = per_kernel_us(prof)
-    local_k = {name: us for name, us in times.items() if name.startswith("_local_k")}
+    local_k = {name: us for name, us in times.items() if name.startswith(("_local_k", "_dg_cumsum"))}
     return dict(local_k=local_k, backward_total=round(sum(times.values()), 1))
 
 

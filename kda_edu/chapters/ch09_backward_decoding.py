@@ -341,7 +341,7 @@ FORWARD_KERNELS = (  # kda_edu/kernels/chunk.py's, in launch order: three prepar
     "_chunk_wu_kernel",
     "_chunk_scan_kernel",
 )
-BACKWARD_KERNELS = (  # in launch order: chunk.py's three prepare kernels again, then chunk_bwd.py's four
+BACKWARD_KERNELS = (  # in launch order: chunk.py's three prepare kernels again, then chunk_bwd.py's five
     "_chunk_gram_kernel",
     "_chunk_inverse_kernel",
     "_chunk_wu_kernel",
@@ -349,6 +349,7 @@ BACKWARD_KERNELS = (  # in launch order: chunk.py's three prepare kernels again,
     "_dstates_kernel",
     "_local_v_kernel",
     "_local_k_kernel",
+    "_local_dg_kernel",
 )
 
 

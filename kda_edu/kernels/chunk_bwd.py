@@ -146,14 +146,6 @@ def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
     return k_a, qs_a, g_a, beta_a
 
 
-@jit
-def _rows_of_block(x_a, a, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Place a [BC, BK] block as rows a*BC .. a*BC + BC - 1 of a zero [NB*BC, BK] tile."""
-    rows = tl.arange(0, NB * BC)
-    rep = tl.reshape(tl.broadcast_to(x_a[None, :, :], [NB, BC, BK]), [NB * BC, BK])
-    return tl.where((rows // BC == a)[:, None], rep, 0.0)
-
-
 @jit(do_not_specialize=["NT"])
 def _states_kernel(
     w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
@@ -359,121 +351,168 @@ def _sum_shares(p, offs, stride, N: tl.constexpr):
 
 
 @jit
-def _local_k_block(
-    a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
-    c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """Row block a of `_local_k_kernel`: the gradients of its rows through the blocks of dA and dAqk in its
-    row (the columns before the block, skipped for a = 0, then the diagonal block), written to memory at once
-    (read-modify-write): dq finished, dk and dgc added to in place, its share of dbeta. The columns' side
-    (db_all) and col_x are carried to the next block and returned. Writing each block's rows out at once
-    keeps no [BT, BK] accumulator of row terms in registers (bench/NOTES.md has the form it replaced)."""
-    NB: tl.constexpr = BT // BC
-    rows = tl.arange(0, BT)
+def _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_stride,
+                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr,
+                      PREC: tl.constexpr):  # fmt: skip
+    """The rows' side of block b's rows i through the columns j before the block, before the row factor:
+    sum_j dM_ij k_j 2^(gates j+1 .. start-1), for dM = dA (the sum of its NKB shares) and dAqk. One 16 x 16
+    tile of each per block before b, nearest first: the column factor is that block's reverse scan of the
+    next rows' gates plus the gates of the blocks between (`between`, grown block by block), so each
+    exponent is a sum of consecutive gates, <= 0."""
     rc = tl.arange(0, BC)
-    ta = a * BC + rc
-    k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
-    bk_a = beta_a[:, None] * k_a
-    m_rows = (c * BT + a * BC + rc)[:, None] * BT
-    before = (rows < a * BC)[:, None]
-    da_kk = tl.zeros([BC, BK], dtype=tl.float32)
-    da_qk = tl.zeros([BC, BK], dtype=tl.float32)
-    if a > 0:  # columns before the block, anchored at its start boundary
-        dA_a = _sum_shares(dA_part, m_rows + rows[None, :], a_stride, NKB)
-        dQ_a = tl.load(dAqk + m_rows + rows[None, :]).to(tl.float32)
-        row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i
-        col_f = tl.exp2(tl.where(before, col_x, float("-inf")))
-        k_col = k_all * col_f
-        da_kk = tl.dot(dA_a, k_col, input_precision=PREC) * row_f
-        da_qk = tl.dot(dQ_a, k_col, input_precision=PREC) * row_f
-        db_all += col_f * (
-            tl.dot(tl.trans(dA_a), bk_a * row_f, input_precision=PREC)
-            + tl.dot(tl.trans(dQ_a), qs_a * row_f, input_precision=PREC)
+    tile = rc[:, None] * BT + rc[None, :]  # a 16 x 16 tile of dM: dM[i, j] at i * BT + j
+    between = tl.zeros([BK], dtype=tl.float32)
+    s_kk = tl.zeros([BC, BK], dtype=tl.float32)
+    s_qk = tl.zeros([BC, BK], dtype=tl.float32)
+    for i in range(b):
+        jb = b - 1 - i
+        tj = jb * BC + rc
+        # gate j+1 on row j; the gates from row start on are not this pair's (loaded as zeros)
+        g_next = base2_gates(load_rows(g_h, tj + 1, HV * K, ck, K, tl.minimum(n_t, start)))
+        col_x = tl.cumsum(g_next, axis=0, reverse=True) + between[None, :]
+        between += tl.sum(g_next, axis=0)
+        k_col = load_rows(k_h, tj, H * K, ck, K, n_t).to(tl.float32) * tl.exp2(col_x)
+        off = start * BT + jb * BC + tile
+        s_kk += tl.dot(_sum_shares(dA_c, off, a_stride, NKB), k_col, input_precision=PREC)
+        s_qk += tl.dot(tl.load(dQ_c + off).to(tl.float32), k_col, input_precision=PREC)
+    return s_kk, s_qk
+
+
+@jit
+def _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t, scale, a_stride,
+                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr,
+                     PREC: tl.constexpr):  # fmt: skip
+    """The columns' side of block b's keys j through the rows i after the block, before the column factor:
+    sum_i dM_ij a_i 2^(gates end+1 .. i), a = beta k for dA and scale q for dAqk. One transposed 16 x 16
+    tile of each per block after b, nearest first: the row factor is that block's own gate cumsum plus the
+    gates of the blocks between."""
+    rc = tl.arange(0, BC)
+    tile_t = rc[None, :] * BT + rc[:, None]  # transposed: dM[i, j] at [j, i]
+    between = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([BC, BK], dtype=tl.float32)
+    for ab in range(b + 1, BT // BC):
+        tr = ab * BC + rc
+        g_r = base2_gates(load_rows(g_h, tr, HV * K, ck, K, n_t))
+        row_f = tl.exp2(tl.cumsum(g_r, axis=0) + between[None, :])
+        between += tl.sum(g_r, axis=0)
+        k_r = load_rows(k_h, tr, H * K, ck, K, n_t).to(tl.float32)
+        qs_r = load_rows(q_h, tr, H * K, ck, K, n_t).to(tl.float32) * scale
+        beta_r = tl.load(b_h + tr * HV, mask=tr < n_t, other=0.0).to(tl.float32)
+        off = ab * BC * BT + start + tile_t
+        db += tl.dot(
+            _sum_shares(dA_c, off, a_stride, NKB), beta_r[:, None] * k_r * row_f, input_precision=PREC
         )
-    dA_d = _sum_shares(dA_part, m_rows + a * BC + rc[None, :], a_stride, NKB)
-    dQ_d = tl.load(dAqk + m_rows + a * BC + rc[None, :]).to(tl.float32)
-    da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
-    da_kk += da_d
-    da_qk += dq_d
-    o_a = k_off + ta[:, None] * HV * K + ck[None, :]
-    m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
-    dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * da_qk
-    tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
-    dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a
-    tl.store(dk + o_a, dk_a, mask=m_a)
-    dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
-    tl.store(dgc + o_a, dg_a, mask=m_a)
-    tl.store(
-        dbeta_part + i_k * part_stride + (t0 + ta) * HV + i_hv, tl.sum(k_a * da_kk, axis=1), mask=ta < n_t
-    )
-    # Rows before block a take its gate sum; block a's rows the gates after them within the block.
-    g_next = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, n_t))
-    after_a = tl.cumsum(tl.where((rc < BC - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
-    col_x = tl.where(before, col_x + tl.sum(g_a, axis=0)[None, :], col_x)
-    col_x += _rows_of_block(after_a, a, NB, BC, BK)
-    return db_all, col_x
+        db += tl.dot(tl.load(dQ_c + off).to(tl.float32), qs_r * row_f, input_precision=PREC)
+    return db
 
 
 @jit(do_not_specialize=["NT"])
 def _local_k_kernel(
-    q, k, g, beta, dA_part, dAqk, dgc_end,  # inputs from _local_v_kernel; dA as NKB shares, a_stride apart
-    dq, dk, dgc,  # partial gradients (dgc is completed in place and becomes dg)
+    q, k, g, beta, dA_part, dAqk,  # inputs; dA as _local_v_kernel's NKB key-block shares, a_stride apart
+    dq, dk, dgc,  # partial gradients from _local_v_kernel (dgc gets the block's terms in place)
     dq_out, dk_out,  # the finished dq, dk: the inputs' dtype when HV == H (no cast left), else dq, dk again
     dbeta_part,  # float32 [cdiv(K, BK), B * T * HV]: this key block's share of dbeta
     chunks,  # varlen only: the chunk table
     T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NKB: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    NKB: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, value head, block of BK key channels): gradients through the gated Gram matrices A and
-    Aqk, then dg = reverse cumsum of dgc. dA arrives as _local_v_kernel's NKB key-block shares, added here as
-    they are loaded (`_sum_shares`). Every term is per key channel except dbeta, a sum over them: each key
-    block writes its share, and the launcher adds the shares."""
-    i_c = tl.program_id(0)
+    """Per (chunk x 16-row block b, value head, block of BK key channels): the gradients of the block's rows
+    through the gated Gram matrices A and Aqk, written once (no other program writes these rows):
+
+    1. rows' side: the columns before the block, anchored at its start (`_gram_rows_before`, then the row
+       factor 2^(gates start .. i));
+    2. the diagonal block (`_diag_gram_bwd`: middle-row anchor, or the exact pairwise form);
+    3. columns' side: the block's keys against the rows after it, anchored at its end (`_gram_cols_after`,
+       then the column factor 2^(gates j+1 .. end));
+    4. dq finished, dk finished, dgc += the block's Gram terms, the key block's share of dbeta.
+
+    dg, a reverse cumsum over the whole chunk, needs all four blocks: `_local_dg_kernel` runs after. dA
+    arrives as _local_v_kernel's NKB key-block shares, added here as they are loaded (`_sum_shares`)."""
+    NB: tl.constexpr = BT // BC
+    i_cb = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
+    i_c = i_cb // NB  # a chunk's four blocks are neighbours in the grid: its dA tiles stay in L2
+    b = i_cb % NB
     i_h = i_hv // (HV // H)
-    NB: tl.constexpr = BT // BC
     t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     n_t = (t_end - t0).to(tl.int32)
-    rows = tl.arange(0, BT)
+    start = b * BC
+    end = start + BC - 1
+    rc = tl.arange(0, BC)
+    ta = start + rc
     ck = i_k * BK + tl.arange(0, BK)
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
     b_h = beta + t0 * HV + i_hv
     c = (i_hv * NCH + i_c).to(tl.int64)
+    dA_c = dA_part + c * BT * BT  # the chunk's C x C tiles of dA (share 0) and dAqk
+    dQ_c = dAqk + c * BT * BT
 
-    k_all = load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32)
-    k_off = t0 * HV * K + i_hv * K
-    kt = rows[:, None] * HV * K + ck[None, :]
+    k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
+    bk_a = beta_a[:, None] * k_a
+    da_kk = tl.zeros([BC, BK], dtype=tl.float32)
+    da_qk = tl.zeros([BC, BK], dtype=tl.float32)
+    if b > 0:  # 1.
+        s_kk, s_qk = _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_stride, BT, BC, BK,
+                                       NKB, PREC)  # fmt: skip
+        row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i, its first row's included
+        da_kk = s_kk * row_f
+        da_qk = s_qk * row_f
+    d_tile = ta[:, None] * BT + ta[None, :]  # 2.
+    dA_d = _sum_shares(dA_c, d_tile, a_stride, NKB)
+    dQ_d = tl.load(dQ_c + d_tile).to(tl.float32)
+    da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
+    da_kk += da_d
+    da_qk += dq_d
+    if b < NB - 1:  # 3.
+        db_c = _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t, scale, a_stride,
+                                BT, BC, BK, NKB, PREC)  # fmt: skip
+        # gates j+1 .. end for j in the block: gate j+1 on row j, the row after the block's end as zero
+        g_na = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, tl.minimum(n_t, end + 1)))
+        db_a += db_c * tl.exp2(tl.cumsum(g_na, axis=0, reverse=True))
+
+    o_a = t0 * HV * K + i_hv * K + ta[:, None] * HV * K + ck[None, :]  # 4.
+    m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
+    dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * da_qk
+    tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
+    dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a
+    tl.store(dk_out + o_a, dk_a.to(dk_out.dtype.element_ty), mask=m_a)
+    dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
+    tl.store(dgc + o_a, dg_a, mask=m_a)
+    tl.store(
+        dbeta_part + i_k * part_stride + (t0 + ta) * HV + i_hv, tl.sum(k_a * da_kk, axis=1), mask=ta < n_t
+    )
+
+
+@jit(do_not_specialize=["NT"])
+def _local_dg_kernel(
+    g, dgc, dgc_end,  # dgc: every term of every row, from kernels 5 and 6; becomes dg in place
+    chunks, T, HV, K, NT, NCH,
+    BT: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, value head, block of BK key channels): dg = the reverse cumsum of dgc within the chunk,
+    gc_i = g_1 + ... + g_i giving dg_t = sum_{i >= t} dgc_i, with the chunk-end terms on the padded chunk's last
+    row (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing)."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
+    n_t = (t_end - t0).to(tl.int32)
+    rows = tl.arange(0, BT)
+    ck = i_k * BK + tl.arange(0, BK)
+    c = (i_hv * NCH + i_c).to(tl.int64)
+    kt = t0 * HV * K + i_hv * K + rows[:, None] * HV * K + ck[None, :]
     km = (rows[:, None] < n_t) & (ck[None, :] < K)
-    dk_p, dg_p = dk + k_off + kt, dgc + k_off + kt
-
-    db_all = tl.zeros([BT, BK], dtype=tl.float32)  # column-side terms (key j of both Gram matrices)
-    # Every decay below is 2^(a sum of consecutive gates), taken as such a sum (never as the difference of two
-    # cumsums, which after a reset of -1000 would both be ~-1440 and carry ~1e-4 of an exponent in rounding).
-    # col_x: for the rows j before block a, the gates after j up to block a's start (built block by block).
-    col_x = tl.zeros([BT, BK], dtype=tl.float32)
-    for a in range(NB):  # a loop, not unrolled: a quarter of the code to compile
-        db_all, col_x = _local_k_block(
-            a, q_h, k_h, g_h, b_h, dA_part, dAqk, dq, dk, dgc, dq_out, dbeta_part, k_all, db_all, col_x,
-            c, t0, k_off, ck, H, HV, K, n_t, scale, i_k, i_hv, part_stride, a_stride,
-            BT, BC, BK, NKB, PREC,
-        )  # fmt: skip
-    tl.debug_barrier()  # the blocks' stores into dk and dgc are seen by every thread below
-    dk_new = tl.load(dk_p, mask=km, other=0.0) + db_all
-    tl.store(dk_out + k_off + kt, dk_new.to(dk_out.dtype.element_ty), mask=km)
-    # dg: gc_i = g_1 + ... + g_i, so dg_t = sum_{i >= t} dgc_i. The chunk-end terms sit on the last row
-    # (rows past the sequence's end carry zeros: their gates were loaded as 0, so they add nothing).
-    end = tl.load(dgc_end + c * BKP + ck)  # dgc_end rows are BKP (K padded) wide
-    d = tl.load(dg_p, mask=km, other=0.0) - k_all * db_all  # the rows' terms are in dgc already
+    d = tl.load(dgc + kt, mask=km, other=0.0)
+    end = tl.load(dgc_end + c * BKP + ck, mask=ck < K, other=0.0)  # dgc_end rows are BKP (K padded) wide
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.cumsum(d, axis=0, reverse=True)
     # A gate below GATE_FLOOR was raised to it (`base2_gates`): the output does not depend on it, dg = 0.
-    below = load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32) < KERNEL_GATE_FLOOR
-    tl.store(dg_p, tl.where(below, 0.0, dg), mask=km)
+    below = load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32) < KERNEL_GATE_FLOOR
+    tl.store(dgc + kt, tl.where(below, 0.0, dg), mask=km)
 
 
 def chunk_kda_bwd(
@@ -572,12 +611,15 @@ def chunk_kda_bwd(
             torch.empty(q.shape, device=dev, dtype=q.dtype),
             torch.empty(k.shape, device=dev, dtype=k.dtype),
         )
-    _local_k_kernel[(NCH, HV, triton.cdiv(K, kb))](
-        q, k, g, beta, dA_part, dAqk, dgc_end, dq, dk, dg, dq_out, dk_out, dbeta_part,
+    _local_k_kernel[(NCH * (BT // SUB), HV, triton.cdiv(K, kb))](
+        q, k, g, beta, dA_part, dAqk, dq, dk, dg, dq_out, dk_out, dbeta_part,
         chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
-        BT=BT, BC=SUB, BK=kb, BKP=BK, PREC=prec, IS_VARLEN=varlen, NKB=nkb,
-        num_warps=lk_warps,
+        BT=BT, BC=SUB, BK=kb, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
         **({} if lk_stages is None else dict(num_stages=lk_stages)),
+    )  # fmt: skip
+    dgb = min(BK, 32)  # key channels per program of the reverse cumsum
+    _local_dg_kernel[(NCH, HV, triton.cdiv(K, dgb))](
+        g, dg, dgc_end, chunks, T, HV, K, NT, NCH, BT=BT, BK=dgb, BKP=BK, IS_VARLEN=varlen, num_warps=4
     )  # fmt: skip
     del dq, dk, dA_part
     dbeta += dbeta_part.sum(0).view(dbeta.shape)

@@ -40,16 +40,19 @@ The kernels, in order (all but the two passes are parallel over chunks):
     4. `_dstates_kernel`: the backward state pass, storing each chunk's dS and dU; gives dS for h0.
     5. `_local_v_kernel`: everything that sums over the value dimension (products against S0, dS, U, dU, V):
        dv, the element-wise parts of dq, dk, dgc, dbeta, and the C x C matrices dA and dAqk.
-    6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, then dg = reverse cumsum of dgc.
-    5 and 6 each run one program per (chunk, value head, block of key channels): every term is per key
-    channel except dbeta and dA, sums over the channels, which each block writes as its share. The launcher
-    adds the dbeta shares; 6 adds 5's dA shares as it loads them. The terms without a key channel (dv, dAqk)
-    come from the first block only, a launch of its own (FIRST). With one value head per key head and 16-bit
-    inputs, 6 writes the finished dq and dk in the inputs' dtype.
+    6. `_local_k_kernel`: the gated Gram backward for dA and dAqk, one program per 16-row block of a chunk
+       (its rows through the columns before the block, the diagonal block, and its keys through the rows
+       after it, as loops over 16 x 16 tiles), writing the block's rows of dq, dk and dgc once.
+    7. `_local_dg_kernel`: dg = the reverse cumsum of dgc within each chunk.
+    5 and 6 each run one program per (chunk, value head, block of key channels), 6 per 16-row block of the
+    chunk too: every term is per key channel except dbeta and dA, sums over the channels, which each block
+    writes as its share. The launcher adds the dbeta shares; 6 adds 5's dA shares as it loads them. The terms
+    without a key channel (dv, dAqk) come from the first block only, a launch of its own (FIRST). With one
+    value head per key head and 16-bit inputs, 6 writes the finished dq and dk in the inputs' dtype.
 
 Variable-length batches (`cu_seqlens`, N sequences packed along T with B = 1) use the forward's layout
 (chunk.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
-and the intermediates are indexed by chunk, [HV, NCH, ...]. The parallel kernels (1-2, 5, 6) run one program
+and the intermediates are indexed by chunk, [HV, NCH, ...]. The parallel kernels (1-2, 5-7) run one program
 per chunk and value head (and key block) and read the chunk's first token and its sequence's end from the chunk table, so they
 never see a step of another sequence. The two passes (3, 4) run one program per (value block, sequence x value
 head) over that sequence's chunks only (per-sequence chunk offsets), starting from its h0 (3) or dht (4);
@@ -69,7 +72,8 @@ backward only, in the 16-bit input dtype (float32 for float32 inputs), the preci
 multiplies them in.
 
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
-before a sub-chunk use the anchor at its start boundary (both factors <= 1). The 16 x 16 diagonal blocks use
+before a sub-chunk use the anchor at its start boundary, rows after it the anchor at its end boundary (both
+factors <= 1 either way). The 16 x 16 diagonal blocks use
 the middle-row anchor when the gates allow it and the exact pairwise form otherwise (see chunk.py).
 Rounding: kernels 5 and 6 take each exponent as a sum of consecutive gates (the gates before a row, after it
 up to the chunk's end or a block boundary, between two rows of a block), never as the difference of two

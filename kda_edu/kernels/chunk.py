@@ -738,9 +738,7 @@ def chunk_kda(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         from kda_edu.kernels.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
 
-        return ChunkKDAFunction.apply(
-            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep
-        )
+        return ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep)
     return chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
 
 

@@ -520,7 +520,7 @@ def _local_dg_kernel(
 
 
 def chunk_kda_bwd(
-    q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=4, lv_block=64, lv_warps=8,
+    q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=2, lv_block=64, lv_warps=8,
     lk_stages=None, kept=None, bv=None, wu_prec=None,
 ):  # fmt: skip
     """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 20, the backward: one build's GPU kernel suites, its forward + backward at bench_kda_bwd.py's shapes
-# with peak and held memory (every keep_intermediates mode beside fla), then the local_k experiments
-# (bench/experiments/bench_local_k64.py), each variant in a process of its own (an illegal address in one
-# would spoil the CUDA context of the next). No forward-only timings: issue20_build.sh has those.
-#   BUILD=<commit> [SHAPES="1,8192,32 ..."] [VARIANTS="k64-32x4-tf32 ..."] bash bench/device/issue20_bwd.sh
-# Writes $OUT/kernels.xml, tests.log, h200_fwd_bwd.json, bwd.log, local_k_<variant>.json/.log, autotune.tgz.
+# with peak and held memory (every keep_intermediates mode beside fla). No forward-only timings:
+# issue20_build.sh has those. (Session 19's version also ran the local_k experiments, one process per variant;
+# those experiments are concluded and removed, see bench/NOTES.md.)
+#   BUILD=<commit> [SHAPES="1,8192,32 ..."] bash bench/device/issue20_bwd.sh
+# Writes $OUT/kernels.xml, tests.log, h200_fwd_bwd.json, bwd.log, autotune.tgz.
 source bench/device/env.sh
 export TRITON_CACHE_DIR=/tmp/tcache
 mkdir -p "$TRITON_CACHE_DIR"
@@ -17,11 +17,5 @@ cp bench/results/h200_fwd_bwd.json "$OUT/h200_fwd_bwd.json"
 timeout "${BWD_S:-330}" python bench/kernels/bench_kda_bwd.py --out "$OUT/h200_fwd_bwd.json" \
     --build "${BUILD:-unknown}" ${SHAPES:+--shapes $SHAPES} > "$OUT/bwd.log" 2>&1
 echo "bench rc $?" >> "$OUT/bwd.log"
-for v in ${VARIANTS:-}; do
-    timeout "${VARIANT_S:-90}" python bench/experiments/bench_local_k64.py --shapes 1,8192,32 --variants "$v" \
-        --out "$OUT/local_k_$v.json" > "$OUT/local_k_$v.log" 2>&1
-    echo "variant $v rc $?" >> "$OUT/local_k_$v.log"
-done
 (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/autotune.tgz" -T -)
 tail -3 "$OUT/tests.log"; grep -v "^{" "$OUT/bwd.log" | tail -6
-for v in ${VARIANTS:-}; do tail -c 600 "$OUT/local_k_$v.log"; echo; done

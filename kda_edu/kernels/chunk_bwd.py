@@ -523,14 +523,15 @@ def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=2, lv_block=64, lv_warps=8,
     lk_stages=None, kept=None, bv=None, wu_prec=None,
 ):  # fmt: skip
-    """Launch the six kernels on contiguous inputs; returns dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
+    """Launch the kernels (up to eight; the module docstring numbers them 1-7) on contiguous inputs; returns
+    dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
 
     `kept`: the forward's intermediates (`chunk_kda_fwd`'s `keep` dict, cut to a `KEEP_MODES` entry), used
     instead of running kernels 1-2 again: all of them, or X, Aqk and qg, and then only the w/u kernel runs.
     The dict is emptied, so that each buffer is freed here as soon as it is no longer needed.
 
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
-    `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loop
+    `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loops
     (None: Triton's default). The defaults are the fastest of bench/kernels/tune_bwd.py's sweep on the H200
     (bench/NOTES.md has the sweep and its numbers).
 

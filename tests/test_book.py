@@ -167,27 +167,35 @@ def test_readme_kernel_timings_are_the_committed_ones():
 
 def test_readme_same_run_timings_are_the_committed_ones():
     """The README's latest same-run comparison with fla: its numbers, in order, are each headline shape's
-    forward times (ours, fla's, the ratio) in h200_forward_split.json, then the forward + backward at
-    (1, 8192, 32) in h200_fwd_bwd_split.json and the old prepare's forward in h200_prepare_split_rows.json,
-    printed to two decimals (shapes as written); both files are of the build the passage names."""
+    forward times (ours, fla's, the ratio) in h200_forward_split.json, then the forward + backward at every
+    shape of h200_fwd_bwd_split.json (ours, fla's, the ratio; times and ratios to three decimals, shapes as
+    written), the peak and the memory held after the forward at its memory shape (ours, fla's; two decimals),
+    and the old prepare's forward in h200_prepare_split_rows.json; both files are of the build the passage
+    names."""
     passage = readme_passage("The latest run timed both in one call", "were dropped")
     fwd = bench_result("h200_forward_split.json")
     bwd = bench_result("h200_fwd_bwd_split.json")
     assert fwd["build"] == bwd["build"] and f"build {fwd['build']}" in passage
     expected = []
+
+    def timed(ours, fla, shape):
+        return [f"{ours:.3f}", f"{fla:.3f}", f"{ours / fla:.3f}", *map(str, shape)]
+
     for row in fwd["headline"]:
         ours, fla = (row["methods"][m]["ms"] for m in ("kda_edu chunk_kda", "fla chunk_kda"))
-        expected += [
-            f"{ours:.2f}",
-            f"{fla:.2f}",
-            f"{ours / fla:.2f}",
-            str(row["B"]),
-            str(row["T"]),
-            str(row["H"]),
-        ]
-    (row,) = [r for r in bwd["rows"] if (r["B"], r["T"], r["H"]) == (1, 8192, 32)]
-    ours, fla = row["kda_edu chunk_kda fwd+bwd ms"], row["fla chunk_kda fwd+bwd ms"]
-    expected += [f"{ours:.2f}", f"{fla:.2f}", f"{ours / fla:.2f}", "1", "8192", "32"]
+        expected += timed(ours, fla, (row["B"], row["T"], row["H"]))
+    for row in bwd["rows"]:
+        expected += timed(
+            row["kda_edu chunk_kda fwd+bwd ms"],
+            row["fla chunk_kda fwd+bwd ms"],
+            (row["B"], row["T"], row["H"]),
+        )
+    (mem,) = [r for r in bwd["rows"] if "fla chunk_kda peak GiB" in r]
+    expected += [
+        f"{mem[f'{m} {what} GiB']:.2f}"
+        for what in ("peak", "held after forward")
+        for m in ("kda_edu chunk_kda", "fla chunk_kda")
+    ]
     old = bench_result("h200_prepare_split_rows.json")["rows"][0]["old"][0]["fwd_ms"]
     expected.append(f"{old:.2f}")
     words = re.sub(r"build \w+|[\w/.]+\.(?:json|md)", "", passage)  # the build's name and the file names

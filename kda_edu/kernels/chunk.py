@@ -878,17 +878,19 @@ def prepare_chunks(
     idt, prec = work_precision(q.dtype)
     rows, lo = HV * NCH * BT, dict(device=q.device, dtype=idt)
     f32 = dict(device=q.device, dtype=torch.float32)
-    buffers = dict(
-        w=torch.empty(rows, BK, **lo),
-        u=torch.empty(rows, BVP, **lo),
-        qg=torch.empty(rows, BK, **lo),
-        kd=torch.empty(rows, BK, **lo),
-        aqk=torch.empty(rows, BT, **lo),
-        gl=torch.empty(HV * NCH, BK, **f32),
-        x=torch.empty(rows, BT, **f32),  # L, then X = (I + L)^-1 in its place
+    shapes = dict(  # name: (shape, dtype); x holds L, then X = (I + L)^-1 in its place
+        w=((rows, BK), lo),
+        u=((rows, BVP), lo),
+        qg=((rows, BK), lo),
+        kd=((rows, BK), lo),
+        aqk=((rows, BT), lo),
+        gl=((HV * NCH, BK), f32),
+        x=((rows, BT), f32),
     )
-    if reuse is not None:
-        buffers.update((name, reuse[name]) for name in ("x", "aqk", "qg"))
+    reuse = reuse or {}
+    if reuse and set(reuse) != set(KEEP_MODES["matrices"]):
+        raise ValueError(f"reuse must hold exactly {KEEP_MODES['matrices']}, got {sorted(reuse)}")
+    buffers = {n: reuse[n] if n in reuse else torch.empty(*shape, **kw) for n, (shape, kw) in shapes.items()}
     if NCH == 0:
         buffers["x"] = buffers["x"] if store_x else None
         return buffers, {}
@@ -910,7 +912,7 @@ def prepare_chunks(
         n0, nn, cs, cn = piece
         grid = (NCH if varlen else nn * cn, HV)  # with cu_seqlens one piece: every chunk
         kernels = {}
-        if reuse is None:
+        if not reuse:
             kernels["gram"] = _chunk_gram_kernel[grid](
                 q, k, g, beta, qg, aqk, x, chunks, T, H, HV, K, NT, NCH, scale, n0, cs, cn,
                 BT=BT, BC=SUB, BK=BK, KC=kc, PREC=low, IS_VARLEN=varlen, num_warps=warps[0],

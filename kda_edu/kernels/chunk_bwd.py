@@ -395,9 +395,13 @@ def _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t
     between = tl.zeros([BK], dtype=tl.float32)
     db = tl.zeros([BC, BK], dtype=tl.float32)
     for ab in range(b + 1, BT // BC):
-        k_r, qs_r, g_r, beta_r = _block_inputs(q_h, k_h, g_h, b_h, ab * BC + rc, ck, H, HV, K, n_t, scale)
+        tr = ab * BC + rc
+        g_r = base2_gates(load_rows(g_h, tr, HV * K, ck, K, n_t))
         row_f = tl.exp2(tl.cumsum(g_r, axis=0) + between[None, :])
         between += tl.sum(g_r, axis=0)
+        k_r = load_rows(k_h, tr, H * K, ck, K, n_t).to(tl.float32)
+        qs_r = load_rows(q_h, tr, H * K, ck, K, n_t).to(tl.float32) * scale
+        beta_r = tl.load(b_h + tr * HV, mask=tr < n_t, other=0.0).to(tl.float32)
         off = ab * BC * BT + start + tile_t
         db += tl.dot(
             _sum_shares(dA_c, off, a_stride, NKB), beta_r[:, None] * k_r * row_f, input_precision=PREC

@@ -64,6 +64,7 @@ from kda_edu.kernels.chunk import (
     diag_grams,
     key_block,
     load_rows,
+    pass_stages,
     pow2,
     prepare_chunks,
     store_block,
@@ -136,7 +137,7 @@ def scan(prepared: dict, initial_state: torch.Tensor | None = None, bv: int = 16
         *flat.values(), o, h0, ht, None, None, s["T"], s["HV"], s["K"], s["V"], s["NT"], s["NCH"], 0, 0, s["NT"],
         BT=CHUNK, BK=BK, BVP=pow2(s["V"]), BV=bv, USE_H0=h0 is not None, STORE_HT=True, PREC="ieee",
         IS_VARLEN=False, num_warps=4,
-        num_stages=1 if BK * 4 > 512 else 2,  # as the launcher: two stages of float32 tiles fit up to K = 128
+        num_stages=pass_stages(BK, 4),  # as the launcher, for float32 tiles
     )  # fmt: skip
     return o, ht
 

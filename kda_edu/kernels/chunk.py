@@ -832,6 +832,26 @@ def scan_value_block(programs: int, V: int, BVP: int, itemsize: int = 2, sms: in
     return min(blocks, key=lambda b: (triton.cdiv(programs * triton.cdiv(V, b), sms) * cost[b], b))
 
 
+def pass_stages(BK: int, itemsize: int, alone: bool = True) -> int:
+    """Pipeline depth of a pass over the chunks of each sequence (`_chunk_scan_kernel`, and the backward's
+    `_states_kernel` and `_dstates_kernel`) for BK key rows of intermediates of `itemsize` bytes.
+
+    Each step of such a pass loads about 60 kB of tiles (w, qg or u, kd, Aqk, dO) for the chunk after it.
+    Triton's pipeliner with two stages issues those copies at the end of a step and waits for all of them at
+    the start of the next one, so every chunk's tiles arrive while the program computes nothing; with three,
+    it waits only for the copies issued a whole step earlier, and a chunk's loads overlap the previous
+    chunk's products. Three stages of 16-bit tiles fit a Hopper multiprocessor (compiled for sm_90 with
+    Triton 3.9, K = V = 128, 16 to 64 value columns: scan 183-213 kB, states 109-139 kB, dstates 184-221 kB;
+    the limit is 227 kB); float32 tiles fit two stages up to K = 128 and one beyond.
+
+    `alone`: the pass has the multiprocessor to itself. The forward's scan shares it with the next piece's
+    prepare kernels when the time axis is cut into pieces (`time_pieces`), and three stages leave them too
+    little shared memory: two there."""
+    if BK * itemsize > 512:
+        return 1
+    return 3 if alone and itemsize <= 2 and BK <= 128 else 2
+
+
 @functools.lru_cache
 def _multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -946,7 +966,7 @@ KERNELS = {
 
 def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
-    bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=2, stop_after=None, info=None, keep=None,
+    bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=None, stop_after=None, info=None, keep=None,
     wu_prec=None, pieces=None,
 ):  # fmt: skip
     """Launch the four kernels on validated inputs.
@@ -961,7 +981,7 @@ def chunk_kda_fwd(
     The keywords after cu_seqlens are tuning knobs that bench/kernels/tune_chunk.py sweeps: `bv` value columns per
     scan program, `kc` key (and value) columns per step of the gram and w/u kernels' column loops,
     `warps_prepare` warps per program of the three prepare kernels (gram, inverse, w/u), `warps_scan` of the
-    scan, `stages` pipeline depth of the scan loop; `wu_prec` "bf16" for bfloat16 operands in the w/u kernel's
+    scan, `stages` pipeline depth of the scan loop (`pass_stages` when None); `wu_prec` "bf16" for bfloat16 operands in the w/u kernel's
     products (`prepare_chunks`); `pieces` how many pieces to cut the time axis into, or an explicit
     list of pieces (`time_pieces`' choice when None, one piece under the interpreter, where pieces asked for run
     one after the other on one stream). `stop_after="prepare"` stops after
@@ -987,8 +1007,7 @@ def chunk_kda_fwd(
     # The state between pieces of the time axis goes through ht (a program reads and writes only its own block).
     chained = any(cs > 0 for _, _, cs, _ in cut)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state or chained else None
-    if BK * idt.itemsize > 512:
-        stages = 1  # float32 intermediates with K > 128: two stages of tiles exceed shared memory
+    stages = stages or pass_stages(BK, idt.itemsize, alone=len(cut) == 1)
     scan_on = scan_stream(dev) if len(cut) > 1 and q.is_cuda else None
     launched = {}
 

@@ -98,6 +98,7 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
     chunk_span,
     diag_span,
     load_rows,
+    pass_stages,
     pow2,
     prepare_chunks,
     scan_value_block,
@@ -395,13 +396,9 @@ def _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t
     between = tl.zeros([BK], dtype=tl.float32)
     db = tl.zeros([BC, BK], dtype=tl.float32)
     for ab in range(b + 1, BT // BC):
-        tr = ab * BC + rc
-        g_r = base2_gates(load_rows(g_h, tr, HV * K, ck, K, n_t))
+        k_r, qs_r, g_r, beta_r = _block_inputs(q_h, k_h, g_h, b_h, ab * BC + rc, ck, H, HV, K, n_t, scale)
         row_f = tl.exp2(tl.cumsum(g_r, axis=0) + between[None, :])
         between += tl.sum(g_r, axis=0)
-        k_r = load_rows(k_h, tr, H * K, ck, K, n_t).to(tl.float32)
-        qs_r = load_rows(q_h, tr, H * K, ck, K, n_t).to(tl.float32) * scale
-        beta_r = tl.load(b_h + tr * HV, mask=tr < n_t, other=0.0).to(tl.float32)
         off = ab * BC * BT + start + tile_t
         db += tl.dot(
             _sum_shares(dA_c, off, a_stride, NKB), beta_r[:, None] * k_r * row_f, input_precision=PREC
@@ -416,6 +413,7 @@ def _local_k_kernel(
     dq, dk, dgc,  # partial gradients from _local_v_kernel (dgc gets the block's terms in place)
     dq_out, dk_out,  # the finished dq, dk: the inputs' dtype when HV == H (no cast left), else dq, dk again
     dbeta_part,  # float32 [cdiv(K, BK), B * T * HV]: this key block's share of dbeta
+    floor_hit,  # int32 [HV * NCH], zeros: set to 1 for a chunk with a gate at or below GATE_FLOOR
     chunks,  # varlen only: the chunk table
     T, H, HV, K, NT, NCH, scale, part_stride, a_stride,  # part_stride = B * T * HV
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -431,7 +429,9 @@ def _local_k_kernel(
        then the column factor 2^(gates j+1 .. end));
     4. dq finished, dk finished, dgc += the block's Gram terms, the key block's share of dbeta.
 
-    dg, a reverse cumsum over the whole chunk, needs all four blocks: `_local_dg_kernel` runs after. dA
+    dg, a reverse cumsum over the whole chunk, needs all four blocks: `_local_dg_kernel` runs after. It
+    zeroes dg where a gate was raised to GATE_FLOOR, and reads the gates for that only in the chunks this
+    kernel marks in `floor_hit` (a gate at or below the floor among the block's rows). dA
     arrives as _local_v_kernel's NKB key-block shares, added here as they are loaded (`_sum_shares`)."""
     NB: tl.constexpr = BT // BC
     i_cb = tl.program_id(0)
@@ -456,6 +456,10 @@ def _local_k_kernel(
     dQ_c = dAqk + c * BT * BT
 
     k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
+    # Gates base2_gates raised to the floor, and any within a power of two of it (a margin for rounding):
+    # _local_dg_kernel checks that chunk's gates exactly.
+    floor_rows = tl.max(tl.where(g_a < KERNEL_GATE_FLOOR * 1.4426950408889634 + 1.0, 1, 0))
+    tl.store(floor_hit + c, 1, mask=floor_rows > 0)  # every writer writes the same 1
     bk_a = beta_a[:, None] * k_a
     da_kk = tl.zeros([BC, BK], dtype=tl.float32)
     da_qk = tl.zeros([BC, BK], dtype=tl.float32)
@@ -494,6 +498,7 @@ def _local_k_kernel(
 @jit(do_not_specialize=["NT"])
 def _local_dg_kernel(
     g, dgc, dgc_end,  # dgc: every term of every row, from kernels 5 and 6; becomes dg in place
+    floor_hit,  # int32 [HV * NCH]: 1 where _local_k_kernel saw a gate at or below GATE_FLOOR
     chunks, T, HV, K, NT, NCH,
     BT: tl.constexpr, BK: tl.constexpr, BKP: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
@@ -515,13 +520,16 @@ def _local_dg_kernel(
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.cumsum(d, axis=0, reverse=True)
     # A gate below GATE_FLOOR was raised to it (`base2_gates`): the output does not depend on it, dg = 0.
-    below = load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32) < KERNEL_GATE_FLOOR
-    tl.store(dgc + kt, tl.where(below, 0.0, dg), mask=km)
+    # The gates are read only in chunks where _local_k_kernel saw one at the floor (a third of the bytes).
+    if tl.load(floor_hit + c) != 0:
+        g_c = load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32)
+        dg = tl.where(g_c < KERNEL_GATE_FLOOR, 0.0, dg)
+    tl.store(dgc + kt, dg, mask=km)
 
 
 def chunk_kda_bwd(
     q, k, v, g, beta, scale, h0, do, dht, cu_seqlens=None, lk_block=32, lk_warps=2, lv_block=64, lv_warps=8,
-    lk_stages=None, kept=None, bv=None, wu_prec=None,
+    lk_stages=None, kept=None, bv=None, wu_prec=None, pass_depth=None,
 ):  # fmt: skip
     """Launch the kernels (up to eight; the module docstring numbers them 1-7) on contiguous inputs; returns
     dq, dk, dv, dg, dbeta, dh0 (dh0 None without h0).
@@ -533,7 +541,9 @@ def chunk_kda_bwd(
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loops
     (None: Triton's default). The defaults are the fastest of bench/kernels/tune_bwd.py's sweep on the H200
-    (bench/NOTES.md has the sweep and its numbers).
+    (bench/NOTES.md has the sweep and its numbers). `pass_depth`: the pipeline depth of the two state passes
+    (3-4), `pass_stages`' choice when None; `bv` their value columns per program, `scan_value_block`'s when
+    None.
 
     With cu_seqlens (N sequences packed along T, B = 1), h0, dht and dh0 are per sequence, [N, HV, K, V]."""
     B, T, H, K = q.shape
@@ -570,7 +580,7 @@ def chunk_kda_bwd(
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
     bv = bv or scan_value_block(N * HV, V, BVP, idt.itemsize)
-    stages = 1 if BK * w.element_size() > 512 else 2
+    stages = pass_stages(BK, w.element_size()) if pass_depth is None else pass_depth
     h = torch.empty(HV * NCH, BK, BVP, **lo)
     vn = torch.empty(rows, BVP, **lo)
     _states_kernel[(triton.cdiv(V, bv), N * HV)](
@@ -616,15 +626,16 @@ def chunk_kda_bwd(
             torch.empty(q.shape, device=dev, dtype=q.dtype),
             torch.empty(k.shape, device=dev, dtype=k.dtype),
         )
+    floor_hit = torch.zeros(HV * NCH, device=dev, dtype=torch.int32)
     _local_k_kernel[(NCH * (BT // SUB), HV, triton.cdiv(K, kb))](
-        q, k, g, beta, dA_part, dAqk, dq, dk, dg, dq_out, dk_out, dbeta_part,
+        q, k, g, beta, dA_part, dAqk, dq, dk, dg, dq_out, dk_out, dbeta_part, floor_hit,
         chunks, T, H, HV, K, NT, NCH, scale, B * T * HV, x_numel,
         BT=BT, BC=SUB, BK=kb, PREC=prec, IS_VARLEN=varlen, NKB=nkb, num_warps=lk_warps,
         **({} if lk_stages is None else dict(num_stages=lk_stages)),
     )  # fmt: skip
     dgb = min(BK, 32)  # key channels per program of the reverse cumsum
     _local_dg_kernel[(NCH, HV, triton.cdiv(K, dgb))](
-        g, dg, dgc_end, chunks, T, HV, K, NT, NCH, BT=BT, BK=dgb, BKP=BK, IS_VARLEN=varlen, num_warps=4
+        g, dg, dgc_end, floor_hit, chunks, T, HV, K, NT, NCH, BT=BT, BK=dgb, BKP=BK, IS_VARLEN=varlen, num_warps=4
     )  # fmt: skip
     del dq, dk, dA_part
     dbeta += dbeta_part.sum(0).view(dbeta.shape)

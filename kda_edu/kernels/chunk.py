@@ -562,6 +562,14 @@ def seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
     return c0, n_chunks
 
 
+@jit
+def decay_row(gl, c, ck, BK: tl.constexpr, count):
+    """exp(gc_C) of chunk c (row c of `gl`, BK numbers) when count > 0, else zeros: the passes over the chunks
+    load it one chunk ahead. (The mask compares ck with a scalar: Triton's interpreter rejects a scalar
+    condition and-ed with a tensor one.)"""
+    return tl.load(gl + c * BK + ck, mask=ck < tl.minimum(count, 1) * BK, other=0.0)
+
+
 @jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def _chunk_scan_kernel(
     w,
@@ -620,15 +628,20 @@ def _chunk_scan_kernel(
         S += tl.load(h0 + s_off, mask=s_mask, other=0.0)
 
     o_h = o + i_hv * V
+    c_first = (i_hv * NCH + c0).to(tl.int64)
+    decay_next = decay_row(gl, c_first, ck, BK, n_chunks)
     for n in range(n_chunks):
-        c = (i_hv * NCH + c0 + n).to(tl.int64)  # the chunk's index in the intermediates
+        c = c_first + n  # the chunk's index in the intermediates
         r = (c * BT + rows)[:, None]
         w_n = tl.load(w + r * BK + ck[None, :])
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
-        decay = tl.load(gl + c * BK + ck)
+        # The pipeliner stages only the products' operands (above); the decay, an element-wise factor, is
+        # loaded here one chunk ahead instead, so that its latency hides behind a whole step.
+        decay = decay_next
+        decay_next = decay_row(gl, c + 1, ck, BK, n_chunks - 1 - n)
 
         s_lo = S.to(w_n.dtype)
         u_n = u_n.to(tl.float32) - tl.dot(w_n, s_lo, input_precision=PREC)
@@ -832,7 +845,7 @@ def scan_value_block(programs: int, V: int, BVP: int, itemsize: int = 2, sms: in
     return min(blocks, key=lambda b: (triton.cdiv(programs * triton.cdiv(V, b), sms) * cost[b], b))
 
 
-def pass_stages(BK: int, itemsize: int, alone: bool = True) -> int:
+def pass_stages(BK: int, itemsize: int, BV: int = 64, alone: bool = True) -> int:
     """Pipeline depth of a pass over the chunks of each sequence (`_chunk_scan_kernel`, and the backward's
     `_states_kernel` and `_dstates_kernel`) for BK key rows of intermediates of `itemsize` bytes.
 
@@ -844,12 +857,16 @@ def pass_stages(BK: int, itemsize: int, alone: bool = True) -> int:
     Triton 3.9, K = V = 128, 16 to 64 value columns: scan 183-213 kB, states 109-139 kB, dstates 184-221 kB;
     the limit is 227 kB); float32 tiles fit two stages up to K = 128 and one beyond.
 
-    `alone`: the pass has the multiprocessor to itself. The forward's scan shares it with the next piece's
-    prepare kernels when the time axis is cut into pieces (`time_pieces`), and three stages leave them too
-    little shared memory: two there."""
+    `alone`: the pass has the multiprocessor to itself. When the time axis is cut into pieces
+    (`time_pieces`), the forward's scan shares it with the next piece's prepare kernels, and a three-stage
+    scan of BV = 32 or 64 value columns (193 or 213 kB) leaves less than the gram kernel's 37 kB of a
+    multiprocessor's 228: two stages then. With 16 columns (183 kB) the gram kernel still fits beside it. On
+    the H200 (bench/results/h200_pass_stages.json), 3 stages made the scan 1.5x faster at (1, 32768, 32) but
+    slowed the gram kernel beside it, and the forward 2 % (BV = 32, four pieces); at (1, 131072, 16) (BV = 16,
+    eight pieces) the forward was 7 % faster."""
     if BK * itemsize > 512:
         return 1
-    return 3 if alone and itemsize <= 2 and BK <= 128 else 2
+    return 3 if itemsize <= 2 and BK <= 128 and (alone or BV <= 16) else 2
 
 
 @functools.lru_cache
@@ -1007,7 +1024,6 @@ def chunk_kda_fwd(
     # The state between pieces of the time axis goes through ht (a program reads and writes only its own block).
     chained = any(cs > 0 for _, _, cs, _ in cut)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state or chained else None
-    stages = stages or pass_stages(BK, idt.itemsize, alone=len(cut) == 1)
     scan_on = scan_stream(dev) if len(cut) > 1 and q.is_cuda else None
     launched = {}
 
@@ -1017,13 +1033,14 @@ def chunk_kda_fwd(
             return
         args = (buffers[n] for n in ("w", "u", "qg", "kd", "aqk", "gl"))
         block = bv or scan_value_block(nn * HV, V, BVP, idt.itemsize)
+        depth = stages or pass_stages(BK, idt.itemsize, block, alone=len(cut) == 1)
         if scan_on is not None:  # after this piece's prepare kernels (and all before them)
             scan_on.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(scan_on) if scan_on is not None else nullcontext():
             launched["scan"] = _chunk_scan_kernel[(triton.cdiv(V, block), nn * HV)](
                 *args, o, h0 if cs == 0 else ht, ht, cu_seqlens, offsets, T, HV, K, V, NT, NCH, n0, cs, cn,
                 BT=BT, BK=BK, BVP=BVP, BV=block, USE_H0=h0 is not None or cs > 0, STORE_HT=ht is not None,
-                PREC=prec, IS_VARLEN=varlen, num_warps=warps_scan, num_stages=stages,
+                PREC=prec, IS_VARLEN=varlen, num_warps=warps_scan, num_stages=depth,
             )  # fmt: skip
 
     made, kernels = prepare_chunks(

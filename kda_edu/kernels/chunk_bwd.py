@@ -96,6 +96,7 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
     chunk_kda_fwd,
     chunk_layout,
     chunk_span,
+    decay_row,
     diag_span,
     load_rows,
     pass_stages,
@@ -173,14 +174,17 @@ def _states_kernel(
     if USE_H0:
         S += tl.load(h0 + i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
                      mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)  # fmt: skip
+    c_first = (i_hv * NCH + c0).to(tl.int64)
+    decay_next = decay_row(gl, c_first, ck, BK, n_chunks)
     for n in range(n_chunks):
-        c = (i_hv * NCH + c0 + n).to(tl.int64)  # chunk's index in the intermediates
+        c = c_first + n  # chunk's index in the intermediates
         r = (c * BT + rows)[:, None]
         s_lo = S.to(h.dtype.element_ty)
         tl.store(h + (c * BK + ck[:, None]) * BVP + cv[None, :], s_lo)
         w_n = tl.load(w + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
-        decay = tl.load(gl + c * BK + ck)
+        decay = decay_next  # loaded a chunk ahead, as in the forward's scan
+        decay_next = decay_row(gl, c + 1, ck, BK, n_chunks - 1 - n)
         U = tl.load(u + r * BVP + cv[None, :]).to(tl.float32) - tl.dot(
             w_n, s_lo.to(w_n.dtype), input_precision=PREC
         )
@@ -213,17 +217,20 @@ def _dstates_kernel(
     if USE_DHT:
         dS += tl.load(dht + s_off, mask=s_mask, other=0.0)
     do_hv = do + i_hv * V
+    c_last = (i_hv * NCH + c0 + n_chunks - 1).to(tl.int64)
+    decay_next = decay_row(gl, c_last, ck, BK, n_chunks)
     for i in range(n_chunks):
         i_c = c0 + n_chunks - 1 - i
         t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
         n_t = (t_end - t0).to(tl.int32)
-        c = (i_hv * NCH + i_c).to(tl.int64)
+        c = c_last - i
         r = (c * BT + rows)[:, None]
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         w_n = tl.load(w + r * BK + ck[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
-        decay = tl.load(gl + c * BK + ck)
+        decay = decay_next  # loaded a chunk ahead (the chunk before, in this reverse pass)
+        decay_next = decay_row(gl, c - 1, ck, BK, n_chunks - 1 - i)
         do_n = tl.load(do_hv + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
                        mask=(rows[:, None] < n_t) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
         ds_lo = dS.to(dh.dtype.element_ty)
@@ -580,7 +587,7 @@ def chunk_kda_bwd(
 
     # 3-4. The two passes over the chunks of each sequence: states forward, state gradients backward.
     bv = bv or scan_value_block(N * HV, V, BVP, idt.itemsize)
-    stages = pass_stages(BK, w.element_size()) if pass_depth is None else pass_depth
+    stages = pass_stages(BK, w.element_size(), bv) if pass_depth is None else pass_depth
     h = torch.empty(HV * NCH, BK, BVP, **lo)
     vn = torch.empty(rows, BVP, **lo)
     _states_kernel[(triton.cdiv(V, bv), N * HV)](

@@ -562,14 +562,6 @@ def seq_chunks(i_n, offsets, NT, IS_VARLEN: tl.constexpr):
     return c0, n_chunks
 
 
-@jit
-def decay_row(gl, c, ck, BK: tl.constexpr, count):
-    """exp(gc_C) of chunk c (row c of `gl`, BK numbers) when count > 0, else zeros: the passes over the chunks
-    load it one chunk ahead. (The mask compares ck with a scalar: Triton's interpreter rejects a scalar
-    condition and-ed with a tensor one.)"""
-    return tl.load(gl + c * BK + ck, mask=ck < tl.minimum(count, 1) * BK, other=0.0)
-
-
 @jit(do_not_specialize=["NT", "N0", "CS", "CN"])
 def _chunk_scan_kernel(
     w,
@@ -628,20 +620,15 @@ def _chunk_scan_kernel(
         S += tl.load(h0 + s_off, mask=s_mask, other=0.0)
 
     o_h = o + i_hv * V
-    c_first = (i_hv * NCH + c0).to(tl.int64)
-    decay_next = decay_row(gl, c_first, ck, BK, n_chunks)
     for n in range(n_chunks):
-        c = c_first + n  # the chunk's index in the intermediates
+        c = (i_hv * NCH + c0 + n).to(tl.int64)  # the chunk's index in the intermediates
         r = (c * BT + rows)[:, None]
         w_n = tl.load(w + r * BK + ck[None, :])
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
-        # The pipeliner stages only the products' operands (above); the decay, an element-wise factor, is
-        # loaded here one chunk ahead instead, so that its latency hides behind a whole step.
-        decay = decay_next
-        decay_next = decay_row(gl, c + 1, ck, BK, n_chunks - 1 - n)
+        decay = tl.load(gl + c * BK + ck)  # not a product's operand: not staged (loading it ahead was slower)
 
         s_lo = S.to(w_n.dtype)
         u_n = u_n.to(tl.float32) - tl.dot(w_n, s_lo, input_precision=PREC)
@@ -861,9 +848,10 @@ def pass_stages(BK: int, itemsize: int, BV: int = 64, alone: bool = True) -> int
     (`time_pieces`), the forward's scan shares it with the next piece's prepare kernels, and a three-stage
     scan of BV = 32 or 64 value columns (193 or 213 kB) leaves less than the gram kernel's 37 kB of a
     multiprocessor's 228: two stages then. With 16 columns (183 kB) the gram kernel still fits beside it. On
-    the H200 (bench/results/h200_pass_stages.json), 3 stages made the scan 1.5x faster at (1, 32768, 32) but
-    slowed the gram kernel beside it, and the forward 2 % (BV = 32, four pieces); at (1, 131072, 16) (BV = 16,
-    eight pieces) the forward was 7 % faster."""
+    the H200 (bench/results/h200_pass_stages_10ee3fe.json), 3 stages made the scan 1.5x faster at
+    (1, 32768, 32) but slowed the gram kernel beside it, and the forward 2 % (BV = 32, four pieces); at
+    (1, 131072, 16) (BV = 16, eight pieces) the forward was 7 % faster; where the scan runs alone, at
+    (8, 4096, 16), 6 % (the scan 359 -> 250 us), and the backward's passes 23-25 %."""
     if BK * itemsize > 512:
         return 1
     return 3 if itemsize <= 2 and BK <= 128 and (alone or BV <= 16) else 2
@@ -1075,9 +1063,15 @@ def time_pieces(
     every sequence, round(sqrt(NT / 32)) of them, at most PIECES_MAX: 2 at 8K tokens, 4 at 32K, 8 from 128K
     (the overlap grows with the count, and so do the launches; on the H200 at (1, 8192, 32) 1.04 / 1.00 /
     1.02 ms in 1 / 2 / 4 pieces, at (1, 32768, 32) 4.00 / 3.77 / 3.71 / 3.78 in 1 / 2 / 4 / 8, at
-    (1, 131072, 16) 9.59 / 8.20 / 8.13 in 1 / 4 / 8; bench/results/h200_time_pieces_45df1a5.json). `pieces`
-    overrides: an int (pieces of the time axis) or a list of pieces (sequences and time, as the kernels
-    take them)."""
+    (1, 131072, 16) 9.59 / 8.20 / 8.13 in 1 / 4 / 8; bench/results/h200_time_pieces_45df1a5.json).
+
+    The pieces are not equal: the last one's scan runs alone after every prepare kernel, so it gets half a
+    share (NT // pieces // 2 chunks) and the first piece the other half; the first piece's prepare kernels run
+    alone anyway. On the H200 (bench/results/h200_piece_cuts_b4ba0df.json, two-stage scans) the cut [96, 32]
+    made the forward at (1, 8192, 32) 4.4 % faster than [64, 64] (0.971 against 1.016 ms), and
+    [192, 128, 128, 64] at (1, 32768, 32) 2.2 % faster than four of 128 (3.661 against 3.743; the best cut
+    tried, five pieces, 3.653). `pieces` overrides: an int (that many pieces of the time axis, cut this way)
+    or a list of pieces (sequences and time, as the kernels take them)."""
     if isinstance(pieces, list):
         return pieces
     whole = [(0, N, 0, NT)]
@@ -1094,8 +1088,16 @@ def time_pieces(
         if N * HV * triton.cdiv(V, scan_value_block(N * HV, V, BVP, itemsize, sms)) > sms:
             return whole  # the scan fills the GPU in more than one wave
         pieces = min(PIECES_MAX, max(1, round((NT / 32) ** 0.5)))
-    size = triton.cdiv(NT, max(1, min(pieces, NT)))
-    return [(0, N, cs, min(size, NT - cs)) for cs in range(0, NT, size)]
+    p = max(1, min(pieces, NT))
+    if p == 1:
+        return whole
+    # The last piece's scan is the one that runs alone, after every prepare kernel: it gets half a share, and
+    # the first piece, whose prepare kernels run alone anyway, the other half.
+    size = NT // p
+    last = max(1, size // 2)
+    cuts = [NT - last - size * (p - 2), *[size] * (p - 2), last]
+    starts = [sum(cuts[:i]) for i in range(p)]
+    return [(0, N, cs, cn) for cs, cn in zip(starts, cuts, strict=True)]
 
 
 PIECES_MAX = 8  # pieces of the time axis at most (`time_pieces`)

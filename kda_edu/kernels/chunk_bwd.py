@@ -96,7 +96,6 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
     chunk_kda_fwd,
     chunk_layout,
     chunk_span,
-    decay_row,
     diag_span,
     load_rows,
     pass_stages,
@@ -152,6 +151,16 @@ def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
     return k_a, qs_a, g_a, beta_a
 
 
+@jit
+def _decay_row(gl, c, ck, BK: tl.constexpr, count):
+    """exp(gc_C) of chunk c (row c of `gl`, BK numbers) when count > 0, else zeros: `_states_kernel` loads it
+    one chunk ahead, since Triton's pipeliner stages only the operands of products and this is an
+    element-wise factor. (Measured on the H200, bench/NOTES.md session 20: the states pass 10-12 % faster; the
+    same made the forward's scan slower, by up to 27 %, and `_dstates_kernel` by 3 %.) The mask
+    compares ck with a scalar: Triton's interpreter rejects a scalar condition and-ed with a tensor one."""
+    return tl.load(gl + c * BK + ck, mask=ck < tl.minimum(count, 1) * BK, other=0.0)
+
+
 @jit(do_not_specialize=["NT"])
 def _states_kernel(
     w, u, kd, gl, h0, h, vn,  # prepare outputs; h0 [N, HV, K, V] f32; out: S0 per chunk, U per chunk
@@ -175,7 +184,7 @@ def _states_kernel(
         S += tl.load(h0 + i_nh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
                      mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)  # fmt: skip
     c_first = (i_hv * NCH + c0).to(tl.int64)
-    decay_next = decay_row(gl, c_first, ck, BK, n_chunks)
+    decay_next = _decay_row(gl, c_first, ck, BK, n_chunks)
     for n in range(n_chunks):
         c = c_first + n  # chunk's index in the intermediates
         r = (c * BT + rows)[:, None]
@@ -183,8 +192,8 @@ def _states_kernel(
         tl.store(h + (c * BK + ck[:, None]) * BVP + cv[None, :], s_lo)
         w_n = tl.load(w + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
-        decay = decay_next  # loaded a chunk ahead, as in the forward's scan
-        decay_next = decay_row(gl, c + 1, ck, BK, n_chunks - 1 - n)
+        decay = decay_next  # loaded a chunk ahead (`_decay_row`)
+        decay_next = _decay_row(gl, c + 1, ck, BK, n_chunks - 1 - n)
         U = tl.load(u + r * BVP + cv[None, :]).to(tl.float32) - tl.dot(
             w_n, s_lo.to(w_n.dtype), input_precision=PREC
         )
@@ -217,20 +226,17 @@ def _dstates_kernel(
     if USE_DHT:
         dS += tl.load(dht + s_off, mask=s_mask, other=0.0)
     do_hv = do + i_hv * V
-    c_last = (i_hv * NCH + c0 + n_chunks - 1).to(tl.int64)
-    decay_next = decay_row(gl, c_last, ck, BK, n_chunks)
     for i in range(n_chunks):
         i_c = c0 + n_chunks - 1 - i
         t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
         n_t = (t_end - t0).to(tl.int32)
-        c = c_last - i
+        c = (i_hv * NCH + i_c).to(tl.int64)
         r = (c * BT + rows)[:, None]
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         w_n = tl.load(w + r * BK + ck[None, :])
         a_n = tl.load(aqk + r * BT + rows[None, :])
-        decay = decay_next  # loaded a chunk ahead (the chunk before, in this reverse pass)
-        decay_next = decay_row(gl, c - 1, ck, BK, n_chunks - 1 - i)
+        decay = tl.load(gl + c * BK + ck)  # here, loading it a chunk ahead (as _states_kernel) was slower
         do_n = tl.load(do_hv + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
                        mask=(rows[:, None] < n_t) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
         ds_lo = dS.to(dh.dtype.element_ty)

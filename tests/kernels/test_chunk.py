@@ -265,4 +265,7 @@ def test_one_piece_when_the_scan_takes_more_than_one_wave():
     from kda_edu.kernels.chunk import time_pieces
 
     assert time_pieces(8, 64, 16, 128, 128, 2, False) == [(0, 8, 0, 64)]
-    assert time_pieces(1, 128, 32, 128, 128, 2, False) == [(0, 1, 0, 64), (0, 1, 64, 64)]
+    assert time_pieces(1, 128, 32, 128, 128, 2, False) == [
+        (0, 1, 0, 96),
+        (0, 1, 96, 32),
+    ]  # the last half a share

@@ -37,6 +37,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
@@ -684,8 +685,9 @@ def fixed_cost_lengths(T: list[int], t: list[float], growth: float = 1.5) -> lis
 # ---------------------------------------------------------------------------------------------------------
 # The H200: how many programs fit, and which instructions the compiler picks
 
-# 132 multiprocessors; per multiprocessor (compute capability 9.0) 65,536 registers and at most 64 warps.
-H200 = dict(sms=132, registers_per_sm=65536, warps_per_sm=64, warp=32)
+# 132 multiprocessors; per multiprocessor (compute capability 9.0) 65,536 registers and at most 64 warps;
+# at most 227 kB of shared memory per program (block).
+H200 = dict(sms=132, registers_per_sm=65536, warps_per_sm=64, warp=32, shared_per_block=227 * 1024)
 
 
 def programs_per_sm(regs: int, warps: int, registers_per_sm: int = H200["registers_per_sm"]) -> int:
@@ -843,13 +845,18 @@ def hopper_instructions(jobs: list[dict]) -> list[dict[str, int]]:
     interpreter, which cannot be compiled; the fresh one is told to build them as on a GPU machine
     (`kda_edu.backend.INTERPRET = False` before `kda_edu.kernels` is imported). Nothing is launched.
     """
+    return _offline("_count_sm90", jobs)
+
+
+def _offline(function: str, jobs: list) -> list:
+    """`function` of this module applied to each job in a fresh Python that builds compiled kernels."""
     root = str(Path(__file__).resolve().parents[2])
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     code = (
         "import json, sys; import kda_edu.backend as b; b.INTERPRET = False\n"
-        "from kda_edu.chapters.ch08_chunk_kernel import _count_sm90\n"
-        "print(json.dumps([_count_sm90(job) for job in json.loads(sys.argv[1])]))"
+        f"from kda_edu.chapters.ch08_chunk_kernel import {function}\n"
+        f"print(json.dumps([{function}(job) for job in json.loads(sys.argv[1])]))"
     )
     run = subprocess.run(
         [sys.executable, "-c", code, json.dumps(jobs)], env=env, capture_output=True, text=True, check=False
@@ -857,3 +864,36 @@ def hopper_instructions(jobs: list[dict]) -> list[dict[str, int]]:
     if run.returncode != 0:
         raise RuntimeError(f"compiling for sm_90 failed:\n{run.stderr[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _scan_pipeline_sm90(job: dict) -> dict:
+    """Compile the scan as `chunk_kda_fwd` launches it for bfloat16, K = V = 128, with job["bv"] value columns
+    and job["stages"] pipeline stages, for sm_90, with the 16-byte alignment a launch specialises its pointers
+    and sizes on (without it the pipeliner cannot use asynchronous copies). Returns its shared memory in
+    bytes and the `cp.async.wait_group` counts in its PTX, in order."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = _compile_specs()["scan"]
+    constexprs = {**spec["constexprs"], "BV": job["bv"]}
+    kernel = KERNELS["scan"]
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if name in spec["signature"] and (spec["signature"][name].startswith("*") or name in ("HV", "K", "V"))
+    }
+    source = ASTSource(
+        fn=kernel, signature=spec["signature"] | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs,
+        attrs=aligned,
+    )  # fmt: skip
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={**spec["options"], "num_stages": job["stages"]}
+    )
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", compiled.asm["ptx"])]
+    return {"shared": compiled.metadata.shared, "waits": waits}
+
+
+def scan_pipeline(stages: list[int], bv: int = 32) -> list[dict]:
+    """For each pipeline depth in `stages`: the scan compiled for the H200 (sm_90) without a GPU, as
+    `_scan_pipeline_sm90` describes, in a fresh Python as `hopper_instructions` does."""
+    return _offline("_scan_pipeline_sm90", [dict(stages=s, bv=bv) for s in stages])

@@ -383,7 +383,8 @@ def backward_memory(
     cdiv(K, lv_block) blocks of key channels, each writing its share of dA ([rows, chunk] float32) and of
     dbeta ([B T HV] float32) beside X. After it X is freed and the dbeta shares are summed and freed; the dA
     shares stay, for `_local_k_kernel` (6) adds them as it loads them. 6 runs over cdiv(K, lk_block) blocks,
-    each with a share of dbeta. With one value head per key head (HV == H) and 16-bit inputs, 6 writes the
+    each with a share of dbeta, beside `floor_hit` (one int32 per chunk and value head, alive to the end).
+    With one value head per key head (HV == H) and 16-bit inputs, 6 writes the
     finished dq and dk in the input dtype into two new buffers, allocated before it runs, and the float32
     dq, dk are freed after it. The dA and dbeta shares are freed before the casts. Last, the casts to the
     inputs' dtype: of dbeta only when 6 wrote dq and dk, else of dq, dk and dbeta (after the sums over value
@@ -439,7 +440,9 @@ def backward_memory(
         out = {"dq, dk in the input dtype (written by local_k)": 2 * tok * H * K * lo}
         at_end = {n: b for n, b in no_x.items() if n != "dq, dk (float32)"} | out
         finish = {"dbeta cast to the input dtype": tok * HV * lo}
-    local_k = dA_shares | {"dbeta, local_k's shares (float32)": nk * tok * HV * f32} | out
+    floor = {"floor_hit (int32, per chunk and value head)": HV * NCH * 4}  # from 6 to the end
+    at_end |= floor
+    local_k = dA_shares | {"dbeta, local_k's shares (float32)": nk * tok * HV * f32} | out | floor
     live |= {
         "local_v (5)": kept | dA_shares | {"dbeta, local_v's shares (float32)": nv * tok * HV * f32},
         "local_k (6)": no_x | local_k,
@@ -475,6 +478,7 @@ MEMORY_GROUPS = {  # backward_memory's buffers, grouped for the figure
         "dA, local_v's shares (float32)",
         "dbeta, local_v's shares (float32)",
         "dbeta, local_k's shares (float32)",
+        "floor_hit (int32, per chunk and value head)",
     ),
 }
 

@@ -1,8 +1,9 @@
 """Pipeline depth of the passes over the chunks (the forward's scan, the backward's two state passes) on a GPU.
 
 `chunk.pass_stages` picks three stages for 16-bit inputs when the pass has the multiprocessor to itself, and
-two when the forward's scan shares it with the next piece's prepare kernels. This script times each choice
-against the others at the benchmark shapes (inputs of bench/kernels/bench_kda_bwd.py), in one process:
+two when the forward's scan shares it with the next piece's prepare kernels (unless its 16 value columns leave
+them room). This script times each choice against the others at the benchmark shapes (inputs of
+bench/kernels/bench_kda_bwd.py), in one process:
 
 - forward (`chunk_kda`, no grad): the scan at 2 and 3 stages, and the default;
 - forward + backward (as bench_kda_bwd.py's step): the backward's passes at 2 and 3 stages, the forward at

@@ -6,7 +6,7 @@ Triton users alone). ``import kda_edu`` alone never imports Triton; this subpack
 """
 
 from kda_edu.kernels._backend import interpreting
-from kda_edu.kernels.chunk import chunk_kda
+from kda_edu.kernels.chunk import chunk_kda, raise_value_errors
 from kda_edu.kernels.fused_recurrent import fused_recurrent_kda
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "interpreting"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "interpreting", "raise_value_errors"]

@@ -90,6 +90,7 @@ from the first such row on to NaN; the state update kd^T U reads the NaN rows, s
 is NaN, as in the loop. The outputs before t are exact.
 """
 
+import collections
 import functools
 from contextlib import nullcontext
 
@@ -204,6 +205,15 @@ def _spoil(x, bad):
 
 
 @jit
+def valid_beta(b):
+    """beta [R, 1] in float32 with the entries outside [0, 1] (NaN, inf included) replaced by 0, and a flag
+    per row: 1.0 where the row had one."""
+    b = b.to(tl.float32)
+    ok = (b >= 0.0) & (b <= 1.0)
+    return tl.where(ok, b, 0.0), tl.max(tl.where(ok, 0.0, 1.0), axis=1)
+
+
+@jit
 def diag_span(gc_a, BC: tl.constexpr):
     """Largest half-block gate sum (base 2) of a 16-row block: decides if the middle anchor is safe."""
     rc = tl.arange(0, BC)
@@ -266,10 +276,11 @@ def store_block(ptr, row0, a, BC: tl.constexpr, n_cols, cols, x):
 @jit
 def key_block(k_h, g_h, t, cols, H, HV, K, n_t):
     """Rows t of the keys and the base-2 gate cumsum over them in key columns `cols` (gates through `base2_gates`),
-    with NaN / inf keys and NaN / +inf gates replaced by 0, and a flag per row: 1.0 where it had one."""
+    with NaN / inf keys and gates that are not <= 0 (NaN, +inf, growth) replaced by 0, and a flag per row: 1.0
+    where it had one."""
     k, bad = clean_nonfinite(load_rows(k_h, t, H * K, cols, K, n_t).to(tl.float32))
     g = load_rows(g_h, t, HV * K, cols, K, n_t).to(tl.float32)
-    ok = g < float("inf")
+    ok = g <= 0.0  # False for NaN, +inf and any growth
     bad = tl.maximum(bad, tl.max(tl.where(ok, 0.0, 1.0), axis=1))
     return k, tl.cumsum(tl.where(ok, base2_gates(g), 0.0), axis=0), bad
 
@@ -362,7 +373,7 @@ def _chunk_gram_kernel(
         k_c, _ = clean_nonfinite(load_rows(k_h, r, H * K, cols, K, n_t).to(tl.float32))
         q_c = load_rows(q_h, r, H * K, cols, K, n_t).to(tl.float32) * scale
         g_c = load_rows(g_h, r, HV * K, cols, K, n_t).to(tl.float32)
-        l = _block_cumsum(tl.where(g_c < float("inf"), base2_gates(g_c), 0.0), BC)
+        l = _block_cumsum(tl.where(g_c <= 0.0, base2_gates(g_c), 0.0), BC)
         s0, s1, s2 = _row(l, BC - 1), _row(l, 2 * BC - 1), _row(l, 3 * BC - 1)  # block gate sums, <= 0
 
         # Left of the diagonal, by column block c; row exponent l_i + the sums of the blocks between c and blk(i).
@@ -389,7 +400,7 @@ def _chunk_gram_kernel(
         gc = l + _per_block(blk, 0.0, s0, s0 + s1, s0 + s1 + s2)
         store_block(qg, row0, 0, BT, BK, cols, q_c * tl.exp2(gc))
 
-    b, _ = clean_nonfinite(tl.load(b_h + r * HV, mask=r < n_t, other=0.0).to(tl.float32)[:, None])
+    b, _ = valid_beta(tl.load(b_h + r * HV, mask=r < n_t, other=0.0)[:, None])
     store_block(lmat, row0, 0, BT, BT, r, tl.where(r[:, None] > r[None, :], b * A, 0.0))
     store_block(aqk, row0, 0, BT, BT, r, tl.where(r[:, None] >= r[None, :], Aq, 0.0))
 
@@ -502,6 +513,8 @@ def _chunk_wu_kernel(
     IS_VARLEN: tl.constexpr,
     KD_TOTAL: tl.constexpr = False,
     U_PREC: tl.constexpr = "tf32",
+    flags=None,  # int32 [1]: bit 0 set when a gate is not <= 0, bit 1 when a beta is outside [0, 1]
+    CHECK: tl.constexpr = False,  # write `flags`
 ):
     """One program per (chunk, value head): the UT transform as whole-chunk products against X.
 
@@ -509,9 +522,10 @@ def _chunk_wu_kernel(
     2^gc_C. gc is the gate cumsum from the chunk's start; gc_C - gc_j is summed from the gates after j (a
     reverse cumsum: after a reset, gc_C and gc_j are both near -151 and their difference keeps ~1e-5 of its
     value), except with KD_TOTAL (16-bit intermediates, whose own rounding is far larger), which takes that
-    difference and saves a second gate load and scan. Rows with a NaN or inf in k, v or beta, or a NaN or
-    +inf gate, run with zeros there and are written into u as NaN (the scan spoils the outputs from the
-    first such row on)."""
+    difference and saves a second gate load and scan. Rows with a NaN or inf in k or v, a beta outside [0, 1]
+    or a gate that is not <= 0 (NaN, +inf, growth) run with zeros there and are written into u as NaN (the
+    scan spoils the outputs from the first such row on). With CHECK, a program that meets an invalid gate or
+    beta also sets its bit in `flags`: `chunk_kda`'s value check, at the cost of two compares per value."""
     i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, N0, CS, CN, BT, IS_VARLEN)
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
@@ -519,21 +533,22 @@ def _chunk_wu_kernel(
     rows = tl.arange(0, BT)
     r = (row0 + rows).to(tl.int64)[:, None]
     X = tl.load(xmat + r * BT + rows[None, :])
-    b, bad = clean_nonfinite(
-        tl.load(beta + t0 * HV + i_hv + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)[:, None]
-    )
+    b, bad_b = valid_beta(tl.load(beta + t0 * HV + i_hv + rows * HV, mask=rows < n_t, other=0.0)[:, None])
+    bad = bad_b
+    bad_g = tl.zeros_like(bad)
     for kc in range(0, BK, KC):
         cols = kc + tl.arange(0, KC)
         k_c, bad_k = clean_nonfinite(load_rows(k_h, rows, H * K, cols, K, n_t).to(tl.float32))
         g_c = load_rows(g_h, rows, HV * K, cols, K, n_t).to(tl.float32)
-        ok = g_c < float("inf")
+        ok = g_c <= 0.0  # False for NaN, +inf and any growth
         g_c = tl.where(ok, base2_gates(g_c), 0.0)
         if not KD_TOTAL:
             g_next = load_rows(g_h, rows + 1, HV * K, cols, K, tl.minimum(n_t, BT)).to(
                 tl.float32
             )  # gate j + 1
-            g_next = tl.where(g_next < float("inf"), base2_gates(g_next), 0.0)
-        bad = tl.maximum(bad, tl.maximum(bad_k, tl.max(tl.where(ok, 0.0, 1.0), axis=1)))
+            g_next = tl.where(g_next <= 0.0, base2_gates(g_next), 0.0)
+        bad_g = tl.maximum(bad_g, tl.max(tl.where(ok, 0.0, 1.0), axis=1))
+        bad = tl.maximum(bad, tl.maximum(bad_k, bad_g))
         gc = tl.cumsum(g_c, axis=0)
         if KD_TOTAL:
             after = tl.sum(g_c, axis=0)[None, :] - gc
@@ -548,6 +563,10 @@ def _chunk_wu_kernel(
         v_c, bad_v = clean_nonfinite(load_rows(v_h, rows, HV * V, cols, V, n_t).to(tl.float32))
         u_c = _spoil(tile_mm(X, b * v_c, U_PREC), bad + bad_v)
         tl.store(u + r * BV + cols[None, :], u_c.to(u.dtype.element_ty))
+    if CHECK:
+        found = (tl.max(bad_g, axis=0) > 0).to(tl.int32) + 2 * (tl.max(bad_b, axis=0) > 0).to(tl.int32)
+        if found > 0:
+            tl.atomic_or(flags, found)
 
 
 @jit
@@ -664,11 +683,11 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     keep_intermediates: bool | str = "matrices",
-    check_inputs: bool = True,
+    check_inputs: bool | str = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with Triton kernels; the contract of `kda_edu.ops.kda.kda_chunked`, with the differences below.
 
-    The forward runs two kernels (module docstring). When any input requires a gradient, the call goes
+    The forward runs four kernels (module docstring). When any input requires a gradient, the call goes
     through `kda_edu.kernels.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
     beta and initial_state.
 
@@ -692,12 +711,19 @@ def chunk_kda(
             (or False): nothing; the backward recomputes all three. The gradients are the same in every
             mode; the memory held between forward and backward, and the time, are not (chapter 9, "Recompute
             or store", has the H200's numbers from bench/results/h200_fwd_bwd.json).
-        check_inputs: check the values of g (<= 0, not NaN; -inf is a reset) and beta (in [0, 1], not NaN),
-            as `kda_chunked` does: one reduction over g and beta and one device-to-host copy of its result
-            (a synchronisation on a GPU). False skips it; the kernels then compute the same formulas on
-            whatever they get, and an out-of-range g or beta gives an undefined result (inf, NaN or wrong).
-            Skipped too while a CUDA graph is being captured (no synchronisation is allowed there, and a
-            replay runs no Python).
+        check_inputs: how the values of g (<= 0, not NaN; -inf is a reset) and beta (in [0, 1], not NaN)
+            are checked, as `kda_chunked` checks them. Whatever it says, the kernels run a step whose g or
+            beta is invalid as a zero step and set the outputs from that step on, and the final state, to NaN
+            (as for a NaN key): an invalid value never gives a finite, wrong answer.
+            True (the default): CPU tensors (Triton's interpreter) are checked before the kernels run, and a
+            bad value raises a ValueError at once. CUDA tensors are checked by the w/u kernel as it reads g
+            and beta anyway (two compares per value: no extra pass over memory, no synchronisation). Its
+            verdict comes back to the host asynchronously, as CUDA's own errors do: the ValueError is raised
+            by the first later `chunk_kda` call, or backward, that finds the verdict ready, or by
+            `raise_value_errors()`, which waits for it. Not while a CUDA graph is being captured (a replay
+            runs no Python; the NaN outputs remain).
+            "sync": checked before the kernels run on any device, the error raised by this call, at the cost
+            of a reduction over g and beta and a synchronisation. False: no verdict at all.
 
     What is checked, always and from metadata only: the shapes, dtypes and devices of every tensor, and that
     the kernels can run where the tensors are (`kda_edu.kernels._backend.check_device`: CPU tensors under the
@@ -730,16 +756,72 @@ def chunk_kda(
         cu_seqlens = cu_seqlens.contiguous()  # the scan kernel reads it through its pointer
         if initial_state is not None:
             check_varlen_state(initial_state, N, HV, K, V, q.device)
-    if check_inputs and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        check_gate_values(g, beta)
+    if check_inputs not in (True, False, "sync"):
+        raise ValueError(f'check_inputs must be True, False or "sync", got {check_inputs!r}')
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    flags = None
+    if check_inputs and not capturing:
+        raise_value_errors(wait=False)  # an earlier call's verdict, if it has arrived
+        if check_inputs == "sync" or not q.is_cuda:
+            check_gate_values(g, beta)
+        else:
+            flags = torch.zeros(1, dtype=torch.int32, device=q.device)
     h0 = initial_state.contiguous() if initial_state is not None else None
     scale = resolve_scale(scale, K)
     keep = keep_mode(keep_intermediates)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         from kda_edu.kernels.chunk_bwd import ChunkKDAFunction  # imported here: chunk_bwd imports this module
 
-        return ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep)
-    return chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens)
+        out = ChunkKDAFunction.apply(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep, flags)
+    else:
+        out = chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, flags=flags)
+    if flags is not None:
+        _queue_verdict(flags)
+    return out
+
+
+# The in-kernel value checks of CUDA calls whose verdict has not been read yet: (event, pinned host copy of the
+# flags) in call order. Bounded: past MAX_PENDING the oldest verdicts are waited for.
+_PENDING: collections.deque = collections.deque()
+MAX_PENDING = 256
+
+
+def _queue_verdict(flags: torch.Tensor) -> None:
+    host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    _PENDING.append((done, host))
+    if len(_PENDING) > MAX_PENDING:
+        _read_verdicts(wait=True, limit=len(_PENDING) - MAX_PENDING)
+
+
+def raise_value_errors(wait: bool = True) -> None:
+    """Raise the ValueError of an earlier `chunk_kda` call on CUDA tensors whose kernels found a g or beta out
+    of range (`chunk_kda`'s `check_inputs`). wait=True waits for every verdict still on its way (a
+    synchronisation); wait=False reads only those that have arrived."""
+    _read_verdicts(wait)
+
+
+def _read_verdicts(wait: bool, limit: int | None = None) -> None:
+    while _PENDING and (limit is None or limit > 0):
+        done, host = _PENDING[0]
+        if not wait and not done.query():
+            return
+        done.synchronize()
+        _PENDING.popleft()
+        limit = None if limit is None else limit - 1
+        bits = int(host[0])
+        if bits:
+            name, rule = (
+                ("g", "be <= 0 (a log-space decay) and not NaN") if bits & 1 else ("beta", "lie in [0, 1]")
+            )
+            shape = "[B, T, HV, K]" if name == "g" else "[B, T, HV]"
+            raise ValueError(
+                f"{name} of shape {shape} must {rule}, and an earlier chunk_kda call on the GPU got a value that "
+                "does not: its kernels ran that step as a zero step and set its outputs from there on to NaN "
+                '(chunk_kda(..., check_inputs="sync") raises in the call itself)'
+            )
 
 
 # What `chunk_kda(keep_intermediates=...)` keeps for the backward, by mode: the names of `prepare_chunks`'
@@ -877,6 +959,7 @@ def prepare_chunks(
     pieces=None,
     after_piece=None,
     reuse=None,
+    flags=None,
 ):
     """Allocate the prepare kernels' outputs and launch the three of them on contiguous inputs; forward and
     backward share this launch. `layout` is `chunk_layout`'s `(NT, NCH, chunks, offsets)`.
@@ -888,6 +971,9 @@ def prepare_chunks(
     `pieces`: `time_pieces`' list of (first sequence, sequences, first chunk, chunks), launched one after the
     other (all chunks at once when None); `after_piece(buffers, piece)` is called after each piece's three
     launches (the forward launches that piece's scan there).
+
+    `flags`: an int32 `[1]` tensor of zeros, or None: the w/u kernel sets bit 0 where it meets a gate that is
+    not <= 0 and bit 1 where it meets a beta outside [0, 1] (`chunk_kda`'s value check, `ValueCheck`).
 
     Returns `(buffers, kernels)`: buffers holds w, u, qg, kd, aqk (one padded chunk of CHUNK rows per chunk
     and value head, in `work_precision`'s dtype), gl (exp of each chunk's last cumulative gate, float32) and
@@ -949,7 +1035,7 @@ def prepare_chunks(
             wu=_chunk_wu_kernel[grid](
                 k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH, n0, cs, cn,
                 BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,
-                IS_VARLEN=varlen, num_warps=warps[2],
+                IS_VARLEN=varlen, num_warps=warps[2], flags=gl if flags is None else flags, CHECK=flags is not None,
             ),
         )  # fmt: skip
         if after_piece is not None:
@@ -972,7 +1058,7 @@ KERNELS = {
 def chunk_kda_fwd(
     q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens=None,
     bv=None, kc=None, warps_prepare=(4, 1, 4), warps_scan=4, stages=None, stop_after=None, info=None, keep=None,
-    wu_prec=None, pieces=None,
+    wu_prec=None, pieces=None, flags=None,
 ):  # fmt: skip
     """Launch the four kernels on validated inputs.
 
@@ -992,7 +1078,8 @@ def chunk_kda_fwd(
     one after the other on one stream). `stop_after="prepare"` stops after
     the three prepare kernels (to time them alone); `info`, a dict, receives registers / spills / shared memory
     of each kernel, by `KERNELS`' names. `keep`, a dict, receives the prepare kernels' outputs (w, u, qg, kd,
-    aqk, gl) and X = (I + L)^-1: everything the backward would otherwise recompute first.
+    aqk, gl) and X = (I + L)^-1: everything the backward would otherwise recompute first. `flags` goes to
+    `prepare_chunks` (the value check).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1033,7 +1120,7 @@ def chunk_kda_fwd(
 
     made, kernels = prepare_chunks(
         q, k, v, g, beta, scale, layout, store_x=keep is not None, kc=kc, warps=warps_prepare, wu_prec=wu_prec,
-        pieces=cut, after_piece=scan_piece,
+        pieces=cut, after_piece=scan_piece, flags=flags,
     )  # fmt: skip
     if NCH == 0:  # no chunk, no prepare launch: the scan still writes the final state (h0, or zeros)
         scan_piece(made, (0, N, 0, 0))

@@ -101,6 +101,7 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
     pass_stages,
     pow2,
     prepare_chunks,
+    raise_value_errors,
     scan_value_block,
     seq_chunks,
     work_precision,
@@ -688,12 +689,25 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_intermediates
+        ctx,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        keep_intermediates,
+        flags=None,
     ):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = initial_state.contiguous() if initial_state is not None else None
         ctx.kept = {} if keep_intermediates != "none" else None
-        o, ht = chunk_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep=ctx.kept)
+        o, ht = chunk_kda_fwd(
+            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep=ctx.kept, flags=flags
+        )
         if ctx.kept is not None:  # the rest of the forward's buffers are freed here
             ctx.kept = {name: ctx.kept[name] for name in KEEP_MODES[keep_intermediates]}
         ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
@@ -703,10 +717,11 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        raise_value_errors(wait=False)  # the forward's value check, if its verdict has arrived
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
         kept, ctx.kept = (ctx.kept or None), None  # None: a second backward, recompute
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
             q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, kept=kept
         )
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_edu.kernels import _backend, chunk_kda, fused_recurrent_kda
+from kda_edu.kernels import _backend, chunk_kda, fused_recurrent_kda, raise_value_errors
 from kda_edu.ops.chunkwise import kda_chunked_matmul
 from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
@@ -217,31 +217,67 @@ def test_a_bad_value_never_travels_back_in_time(path, where):
     assert not bool(torch.isfinite(o[:, BAD_STEP]).all()), "the bad step's output must not look valid"
 
 
-@pytest.mark.parametrize("where", ["g", "beta"])
-def test_unchecked_bad_gates_never_travel_back_in_time(where):
-    """With check_inputs=False a NaN gate or write strength reaches the kernels: still only the outputs from
-    its step on are spoilt."""
+@pytest.mark.parametrize(
+    "where, bad",
+    [
+        ("g", (math.nan, math.inf)),
+        ("g", (0.5, 100.0)),
+        ("beta", (math.nan, math.inf)),
+        ("beta", (1.5, -1e38)),
+    ],
+)
+def test_unchecked_bad_gates_never_travel_back_in_time(where, bad):
+    """With check_inputs=False an invalid gate (NaN, +inf, growth, even one whose exponent overflows) or write
+    strength (NaN, inf, outside [0, 1]) reaches the kernels: only the outputs from its step on are spoilt,
+    to NaN, never a finite wrong answer."""
     x = make(1, 50, 2, 16, 16, h0=True, seed=6)
     y = {n: t.clone() for n, t in x.items()}
-    y[where][:, BAD_STEP, 0] = math.nan
-    y[where][:, BAD_STEP, 1] = math.inf
+    y[where][:, BAD_STEP, 0] = bad[0]
+    y[where][:, BAD_STEP, 1] = bad[1]
     o = chunk_kda(**y, check_inputs=False)[0]
     ref = reference({n: t[:, :BAD_STEP] if n != "initial_state" else t for n, t in x.items()})[0]
     assert rel(o[:, :BAD_STEP], ref) <= TOL[torch.float32]
-    assert not bool(torch.isfinite(o[:, BAD_STEP]).all())
+    assert not bool(torch.isfinite(o[:, BAD_STEP:]).any()), "every output from the bad step on must be NaN"
 
 
 @pytest.mark.parametrize(
     "change", [("g", 0.5), ("g", math.nan), ("beta", 1.5), ("beta", -0.1), ("beta", math.nan)]
 )
-def test_chunk_kda_checks_values_like_kda_chunked(change):
-    """The values kda_chunked rejects, chunk_kda rejects too (unless told not to look)."""
+@pytest.mark.parametrize("mode", [True, "sync"])
+def test_chunk_kda_checks_values_like_kda_chunked(change, mode):
+    """The values kda_chunked rejects, chunk_kda rejects too (unless told not to look). On a GPU the default
+    check runs inside the kernels, and its error comes with the next call or `raise_value_errors()`."""
     x = make(1, 20, 1, 16, 16, seed=9)
     x[change[0]][:, 3] = change[1]
-    for fn in (kda_chunked, chunk_kda):
-        with pytest.raises(ValueError, match=f"^{change[0]} of shape"):
-            fn(**x)
+    with pytest.raises(ValueError, match=f"^{change[0]} of shape"):
+        kda_chunked(**x)
+    with pytest.raises(ValueError, match=f"^{change[0]} of shape"):
+        chunk_kda(**x, check_inputs=mode)
+        raise_value_errors()
     assert chunk_kda(**x, check_inputs=False)[0].shape == x["v"].shape
+    raise_value_errors()  # nothing is pending after an unchecked call
+
+
+def test_check_inputs_takes_three_values():
+    x = make(1, 20, 1, 16, 16, seed=9)
+    with pytest.raises(ValueError, match="check_inputs must be True, False or \"sync\", got 'later'"):
+        chunk_kda(**x, check_inputs="later")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the in-kernel check runs on CUDA tensors")
+def test_the_in_kernel_check_raises_at_the_next_call():
+    """A bad g on the GPU: the call returns NaN from that step on at once (no synchronisation), and the
+    next call that finds the verdict ready raises, naming g; the call after that is clean."""
+    x = make(1, 20, 1, 16, 16, seed=9)
+    y = {n: t.clone() for n, t in x.items()}
+    y["g"][:, 7] = 0.25
+    o = chunk_kda(**y)[0]
+    torch.cuda.synchronize()  # the verdict has arrived
+    assert not bool(torch.isfinite(o[:, 7:]).any()) and bool(torch.isfinite(o[:, :7]).all())
+    with pytest.raises(ValueError, match=r"^g of shape .*an earlier chunk_kda call"):
+        chunk_kda(**x)
+    assert bool(torch.isfinite(chunk_kda(**x)[0]).all())
+    raise_value_errors()
 
 
 def gradients(fn, x, dtype=torch.float32, seed=8, **kw):
@@ -401,8 +437,9 @@ def test_kernels_refuse_tensors_they_cannot_reach(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_value_check_is_skipped_while_a_cuda_graph_is_captured():
-    """train.py records whole training steps as CUDA graphs: chunk_kda's value check (a synchronisation)
-    must stand aside during the capture, and the replay gives the eager result (same kernels, same inputs)."""
+    """train.py records whole training steps as CUDA graphs: chunk_kda's value check (its read-back of the
+    verdict) must stand aside during the capture, and the replay gives the eager result (same kernels, same
+    inputs)."""
     x = make(1, 70, 1, 16, 16, seed=11)
     eager = chunk_kda(**x)[0]
     side = torch.cuda.Stream()

@@ -22,7 +22,7 @@ matrices of rank <= R; the full matrix can express any, at `D HV K` parameters i
 For decoding, a `KDACache` keeps what the next token needs: the last `conv_size - 1` inputs of the
 convolution and the recurrent state `[B, HV, K, V]`. Both have a fixed size, whatever the context length.
 
-`KDAConfig.backend` picks where the recurrence runs (`kda_edu.kernels._backend.use_triton`): by default in the Triton
+`KDAConfig.backend` picks where the recurrence runs (`kda_edu.backend.use_triton`): by default in the Triton
 kernels on a CUDA GPU (`kda_edu.kernels.chunk_kda`, whose backward of chapter 9 gives the gradients in
 training; `fused_recurrent_kda` for a decoding step without gradients) and in the PyTorch `kda_chunked` /
 `kda_step` elsewhere.
@@ -60,7 +60,7 @@ class KDAConfig:
             `"decay"`, `"output"` or `"both"`.
         chunk_size: chunk length of the chunked PyTorch form (the Triton kernel's chunk is always 64).
         norm_eps: epsilon of the per-head gated RMSNorm on the output.
-        backend: where the recurrence runs, one of `kda_edu.kernels._backend.BACKENDS`: `"auto"` (the Triton kernels
+        backend: where the recurrence runs, one of `kda_edu.backend.BACKENDS`: `"auto"` (the Triton kernels
             on a CUDA GPU, PyTorch elsewhere), `"torch"` or `"triton"` (on a CPU: Triton's interpreter).
         kernel_dtype: the dtype q, k and v are cast to for the Triton kernels (`"float32"`, `"bfloat16"` or
             `"float16"`; g and beta are not cast, the output is cast back); None keeps the layer's dtype.
@@ -465,10 +465,9 @@ class KDALayer(nn.Module):
         )
 
     def _step(self, q, k, v, g, beta, state):
-        """One recurrent step: Triton's `fused_recurrent_kda` when the backend says so and no gradient is
-        needed (the kernel has no backward), else PyTorch's `kda_step`."""
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))
-        if not needs_grad and use_triton(self.config.backend, q):
+        """One recurrent step: Triton's `fused_recurrent_kda` when the backend says so (its gradients come
+        from chunk_kda's backward), else PyTorch's `kda_step`."""
+        if use_triton(self.config.backend, q):
             from kda_edu.kernels import fused_recurrent_kda
 
             dtype = self._kernel_dtype(q)

@@ -21,7 +21,7 @@ both low-rank gates); the other kinds rebuild that frame around their own recurr
 
 The recurrences run in their chunked PyTorch forms (`linear_attention_chunked`, `delta_rule_chunked`,
 `gated_delta_chunked`, `kda_chunked`), which are differentiable and far faster on a CPU than the loop. When
-the backend says so (`kda_edu.kernels._backend.use_triton`: `backend="triton"`, or `"auto"` on a CUDA GPU) the three
+the backend says so (`kda_edu.backend.use_triton`: `backend="triton"`, or `"auto"` on a CUDA GPU) the three
 delta-rule mixers run through the book's Triton kernel `kda_edu.kernels.chunk_kda` instead (forward and
 backward): DeltaNet is KDA with g = 0, Gated DeltaNet is KDA with its per-head gate copied to every key
 channel. On a GPU that replaces thousands of small PyTorch operations per training step with a few
@@ -85,7 +85,7 @@ class MixerConfig:
         conv_size: kernel width of the short convolution on q, k and v.
         gate_rank: inner width of the low-rank KDA decay projection and of the output gate.
         chunk_size: chunk length of the chunked recurrences (the Triton kernel's chunk is always 64).
-        backend: one of `kda_edu.kernels._backend.BACKENDS`: `"torch"` (the chunked PyTorch forms), `"triton"`
+        backend: one of `kda_edu.backend.BACKENDS`: `"torch"` (the chunked PyTorch forms), `"triton"`
             (`kda_edu.kernels.chunk_kda` for "deltanet", "gated_deltanet" and "kda"; the same as "torch" for the
             other kinds) or `"auto"` (Triton on a CUDA GPU, PyTorch elsewhere).
         kernel_dtype: when the Triton kernel runs, the dtype q, k and v are cast to for it

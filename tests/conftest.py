@@ -22,6 +22,6 @@ if DEVICE == "cpu":
 
 # Hypothesis draws the same examples on every run and machine (derandomize): a sweep that fails does so
 # everywhere and every time, never by the luck of one run's draw. A random search found one ill-conditioned
-# float32 case (a final state of 5e-4 left by cancellation, relative error 1.7e-5 against 1e-5; bench/NOTES.md).
+# float32 case (a final state of 5e-4 left by cancellation, relative error 1.7e-5 against 1e-5).
 settings.register_profile("kda-edu", derandomize=True)
 settings.load_profile("kda-edu")

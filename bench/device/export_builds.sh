@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Export kda_edu at each COMMIT into .builds/COMMIT/kda_edu (git-ignored), for bench/experiments/bisect_recall_run.py:
-#   bash bench/device/export_builds.sh c08120f 2422adb d4c978c      # then carry ".builds" to the GPU machine
+#   bash bench/device/export_builds.sh <commit> [<commit> ...]      # then carry ".builds" to the GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for commit in "$@"; do

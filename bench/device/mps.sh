@@ -2,8 +2,8 @@
 #
 # Without MPS the sweep's worker processes take turns on the GPU (one context at a time, time-sliced), and a
 # recall run's kernels are far too small to fill an H200 on their own: eight workers trained about as many runs
-# per minute as one (session 11: 0.24 GPU-minutes per run; a run alone steps 7-9 times faster than inside the
-# sweep). Under NVIDIA's Multi-Process Service the processes share one server context and their kernels run at
+# per minute as one (on an H200: 0.24 GPU-minutes per run; a run alone steps 7-9 times faster than inside
+# the sweep). Under NVIDIA's Multi-Process Service the processes share one server context and their kernels run at
 # the same time. The daemon is a user process with its pipes under /tmp; it changes no setting of the GPU, and
 # `mps_stop` ends it. mps_start checks that a client can reach the GPU through it; if the daemon cannot start or
 # a client fails, it stops it and the call goes on without MPS (KDA_EDU_MPS stays unset).

@@ -1,4 +1,4 @@
-# Nsight Compute profile of the KDA kernels, ours beside fla's (issue 20): bash bench/device/profile.sh [B T H]
+# Nsight Compute profile of the KDA kernels, ours beside fla's: bash bench/device/profile.sh [B T H]
 # after `source bench/device/env.sh` (fla from the carried wheels). Forward, then forward + backward, each in
 # its own process: warm-up and fla's autotuning run outside the profiled range (bench/kernels/profile_ncu.py).
 # Writes $OUT/ncu_{forward,fwd_bwd}.log (ncu's raw CSV and messages) and .json (the summary per launch).

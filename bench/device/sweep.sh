@@ -13,7 +13,7 @@ DMON=$!
 SKIP=()
 [ $# -gt 0 ] && SKIP=(--skip "$@")
 # The sweep writes its file in $OUT itself (atomically, after every run): a call stopped at its limit still
-# brings back every finished run (session 11 lost nine when the copy at the end never ran).
+# brings back every finished run (a copy at the end would never run).
 cp bench/results/recall_gpu.json "$OUT/recall_gpu.json"
 timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" \
     --workers "$WORKERS" --max-minutes "$MAXMIN" --deadline-minutes "$(python3 -c "print(($TMO - 30) / 60)")" \

@@ -1,4 +1,4 @@
-"""Where a training step of the GPU recall preset spends its time, per mixer (chapter 12, issue 9).
+"""Where a training step of the GPU recall preset spends its time, per mixer (chapter 12).
 
     python bench/diagnostics/profile_recall_step.py --task mqar --seq-len 1024 [--kernel-dtypes float32,bfloat16] [--trace]
 
@@ -9,7 +9,7 @@ preset's model and optimizer and reports, in milliseconds per step:
   loop     the real training loop (`kda_edu.training.train.train`, 40 steps, no evaluation), per step;
   graph loop   the same with `cuda_graph=True` (3 ordinary steps, then one graph replayed).
 `--trace` adds PyTorch's profiler table (top operations by device time) for each configuration.
-Prints a table and writes JSON to `--out` when given. Not a test: its numbers go to bench/NOTES.md.
+Prints a table and writes JSON to `--out` when given. Not a test: a measurement to decide the preset's settings by.
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Train one run of the GPU recall sweep under variants of its settings, to see which setting changes the outcome.
 
-Written after Gated DeltaNet's Palindrome runs collapsed in the GPU sweep (bench/NOTES.md, session 5): the
+Written after Gated DeltaNet's Palindrome runs collapsed in an early GPU sweep: the
 same run with the PyTorch backend on the CPU did not. Each variant differs from the sweep's run (preset "gpu")
 in one setting:
 
@@ -16,12 +16,12 @@ in one setting:
     cublas_fixed   the preset with cuBLAS's fixed workspace only (CUBLAS_WORKSPACE_CONFIG=:4096:8)
 
 decayed_dt_bias and steps_x4 were added for KDA's MQAR results, which fell when the fix stopped weight decay from reaching
-its [H, K] dt_bias (chapter 12; bench/NOTES.md, session 11).
+its [H, K] dt_bias (chapter 12).
 
 Every variant runs in its own process (at the same time, on a GPU); the results, with each variant's full
 configuration and held-out history, are merged into --out (JSON), so variants can be added call by call.
 `--repeat N` trains each variant N times (keys "preset", "preset#2", ...): the same seed and code, so any
-spread between them is the GPU path's run-to-run nondeterminism (deterministic added for that, session 12).
+spread between them is the GPU path's run-to-run nondeterminism (the deterministic variant is its control).
 
     python bench/experiments/ablate_recall_run.py --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
         --variants preset no_graph fp32_kernel torch_backend --out bench/results/ablate_gdn_palindrome128.json

@@ -1,12 +1,12 @@
 """Train one run of the GPU recall sweep with an exported earlier build of kda_edu, to find the commit that
-changed its outcome (issue 22: Gated DeltaNet's Palindrome runs collapsed on the build of the sweep's first
-invocations and do not on the current one; bench/NOTES.md, session 11).
+changed its outcome (chapter 12: Gated DeltaNet's Palindrome runs collapsed on the build of the sweep's first
+invocations and do not on later ones).
 
 Export the builds first (git-ignored folders `.builds/<commit>/kda_edu`), then run one process per build:
 
-    bash bench/device/export_builds.sh c08120f 2422adb d4c978c
-    python bench/experiments/bisect_recall_run.py --build .builds/c08120f --task palindrome --seq-len 128 \\
-        --mixer gated_deltanet --lr 1e-3 --out $OUT/bisect_c08120f.json
+    bash bench/device/export_builds.sh <commit> [<commit> ...]
+    python bench/experiments/bisect_recall_run.py --build .builds/<commit> --task palindrome --seq-len 128 \\
+        --mixer gated_deltanet --lr 1e-3 --out $OUT/bisect_<commit>.json
 
 Each build trains with its own `run_one` and its own "gpu" preset, exactly as that build's sweep did. Builds
 before the layout move (d4c978c) keep the sweep in `kda_edu/recall_sweep.py`, later ones in
@@ -15,8 +15,8 @@ imported from the build folder. `--cpu-smoke` trains 3 steps of the build's "qui
 PyTorch backend, to check an export imports and runs before a GPU call.
 
 `--watch` looks for the run's first non-finite value with global hooks, so that it works with any build's own
-training loop (issue 22: DeltaNet MQAR 1024 at 3e-3 had a NaN held-out loss on an early build, and the current
-`first_nonfinite.py` uses the current loop). It switches the CUDA graph off (hooks run only while a graph is
+training loop (DeltaNet MQAR 1024 at 3e-3 had a NaN held-out loss on an early build, and
+`first_nonfinite.py` uses the loop of the build it belongs to). It switches the CUDA graph off (hooks run only while a graph is
 captured, and their checks read values back to the host) and trains `--watch-steps` steps. It records the
 first event of each kind, with the optimiser step it happened at:
 

@@ -1,6 +1,6 @@
 """Train one run of the recall sweep step by step and find where it first goes non-finite.
 
-Issue 22: DeltaNet on MQAR at 1024 tokens and a rate of 3e-3 had a NaN held-out loss from its first evaluation
+DeltaNet on MQAR at 1024 tokens and a rate of 3e-3 had a NaN held-out loss from its first evaluation
 (step 200) on, in the GPU sweep. This script trains the same run (the preset's model, data, seeds and
 schedule: `build_model`, `make_optimizer`, `lr_at`, `data_seed` of kda_edu.training.train, without the CUDA
 graph) one step at a time and records, every step, the loss, the gradient norm before clipping and the

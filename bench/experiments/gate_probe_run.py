@@ -1,6 +1,6 @@
 """Train one run of the recall sweep and probe its gate gradients against float64 at every evaluation.
 
-Issue 22 asks why Gated DeltaNet's Palindrome runs collapse on the GPU path and not on the CPU. One suspect is
+Chapter 12 asks why Gated DeltaNet's Palindrome runs collapsed on the GPU path and not on the CPU. One suspect is
 gate gradients dominated by rounding when a head's gate is strongly negative (Adam gives a noisy tiny
 gradient a full step). This script trains the sweep's run (preset "gpu" settings, or "cpu") in segments of
 `eval_every` steps, resuming from a checkpoint each time (`kda_edu.training.train.train` with `stop_after`),

@@ -1,6 +1,6 @@
 """Train one recall run of the GPU sweep for longer, or with larger heads, in parts that fit the device calls.
 
-Issue 22 asks what makes KDA and Gated DeltaNet fail MQAR at 1024 tokens where the Kimi Linear report has them
+Chapter 12 asks what makes KDA and Gated DeltaNet fail MQAR at 1024 tokens where the Kimi Linear report has them
 solve it: its runs train up to 20,000 steps with heads of 128, the sweep's 1500 steps with heads of 64. This
 script trains the sweep's run (`--task`, `--seq-len`, `--mixer`, `--lr`, `--seed`, preset "gpu") with one or
 more of those settings changed: `--steps` (the schedule is stretched with them, as the report's longer runs

@@ -1,8 +1,8 @@
 """Where the GPU training step is not repeatable: the same step, computed several times, compared tensor by tensor.
 
-Session 12 found that one recall run, trained twice with the same code, seed and batches on the H200, can end
+One recall run, trained twice with the same code, seed and batches on the H200, was seen to end
 far apart (KDA, MQAR 256: 0.195 to 0.908), that `torch.use_deterministic_algorithms(True)` makes two runs
-identical, and that cuBLAS's fixed workspace alone does not (bench/NOTES.md). This script names the operation:
+identical, and that cuBLAS's fixed workspace alone does not. This script names the operation:
 it builds the sweep's model for one run (`--task`, `--seq-len`, `--mixer`, preset "gpu", through the sweep's
 Triton path in bf16), takes one batch, and computes the forward and the backward `--repeats` times from the same
 weights. Every module's output (forward hooks) and every parameter's gradient is compared with the first

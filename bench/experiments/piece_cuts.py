@@ -1,4 +1,4 @@
-"""Issue 20 experiment on the H200: where to cut the time axis of the forward, and the scan's pipeline depth.
+"""Experiment on a GPU: where to cut the time axis of the forward, and the scan's pipeline depth.
 
 `chunk_kda_fwd` cuts the time axis into equal pieces (`time_pieces`) and runs each piece's scan beside the next
 piece's prepare kernels. Only the last piece's scan runs alone, after every prepare kernel: a shorter last piece

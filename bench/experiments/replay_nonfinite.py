@@ -1,7 +1,7 @@
 """Replay, on the CPU, the layer input that a training run's `--watch` capture saved when its output went non-finite.
 
-Issue 22: DeltaNet on MQAR 1024 at 3e-3 had a NaN held-out loss on the early builds (c08120f, 3590420) and not
-on the current one. `bisect_recall_run.py --watch --capture FILE` found the first module whose output went
+DeltaNet on MQAR 1024 at 3e-3 had a NaN held-out loss on two early builds (those whose diagonal inverses took
+the product form) and not on later ones. `bisect_recall_run.py --watch --capture FILE` found the first module whose output went
 non-finite from finite inputs (layer 1's mixer) and saved its parameters and one batch row of its input. This
 script rebuilds that mixer from the same build, takes the kernel's inputs (q, k, v, beta as the mixer hands
 them to `chunk_kda`, q, k and v rounded to the kernel's bfloat16) and asks which arithmetic breaks them:

@@ -1,4 +1,4 @@
-"""Issue 20 experiment on the H200: the value block of the passes over the chunks, and bfloat16 w/u products.
+"""Experiment on a GPU: the value block of the passes over the chunks, and bfloat16 w/u products.
 
 Two questions, one process, bf16, K = V = 128, the headline shapes of bench/kernels/bench_kda.py:
 

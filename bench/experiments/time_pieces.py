@@ -1,4 +1,4 @@
-"""Issue 20 experiment on the H200: the forward cut into pieces of the time axis, each piece's scan on a side
+"""Experiment on a GPU: the forward cut into pieces of the time axis, each piece's scan on a side
 stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk.time_pieces`, `chunk_kda_fwd`).
 
 At each shape (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs): the forward's median time for 1, 2, 4
@@ -68,8 +68,8 @@ def one_shape(B, T, H):
 
 def step_times(B, T, H):
     """Forward + backward of sum(o * do) (bench_kda_bwd.py's step), recomputed and kept, with the forward in
-    one piece or in `time_pieces`' default pieces. (Build 45df1a5 ran the backward in pieces too, its state
-    passes on the side stream: no gain, bench/NOTES.md; the backward runs in one piece.)"""
+    one piece or in `time_pieces`' default pieces. (The backward in pieces, its state passes on the side
+    stream, gained nothing: they could not run beside the chunk-local kernels; the backward runs in one piece.)"""
     from bench_kda_bwd import make_inputs as step_inputs
 
     from kda_edu.kernels import chunk_bwd

@@ -1,13 +1,13 @@
-"""The split prepare (issue 20): the current kda_edu beside an older build and fla, in one process.
+"""The split prepare: the current kda_edu beside an older build and fla, in one process.
 
 At each shape (bench_kda.py's inputs, bf16, K = V = 128) it times with `triton.testing.do_bench` (median):
-  * the forward of the current build with its default knobs and with each of `VARIANTS` (prepare kernels'
+  * the forward of this checkout's kda_edu with its default knobs and with each of `VARIANTS` (prepare kernels'
     warps and key columns), and its prepare kernels alone (`chunk_kda_fwd(..., stop_after="prepare")`);
   * the forward and its prepare alone of an older build, imported as `kda_edu_old` from `--old` (a copy of
     that build's kda_edu with the package renamed, so that both load in one process), when given;
   * fla's chunk_kda forward (FLASH_KDA off, as in every comparison here);
-  * forward + backward of the current build and of fla (bench_kda_bwd.py's step: backward of sum(o * do));
-  * CUDA time per kernel of one forward and one backward of the current build (torch profiler).
+  * forward + backward of this checkout and of fla (bench_kda_bwd.py's step: backward of sum(o * do));
+  * CUDA time per kernel of one forward and one backward of this checkout (torch profiler).
 Registers and spills of each prepare kernel come from the launcher's `info`.
 
     python bench/kernels/bench_prepare_split.py --old .builds/old --out $OUT/h200_prepare_split.json
@@ -31,8 +31,8 @@ from kda_edu.kernels.chunk import chunk_kda_fwd
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 D = 128
 # Knobs of the prepare kernels tried beside the default: warps of (gram, inverse, w/u) and key columns per step.
-# The launcher's knobs of the prepare kernels tried beside its defaults (the design variants session 15 timed
-# with this script are gone from the code; bench/NOTES.md has their numbers).
+# The launcher's knobs of the prepare kernels tried beside its defaults (the design variants once timed with
+# this script are gone from the code; docs/kernel-design.md has their outcome).
 VARIANTS = [dict(kc=16), dict(kc=64), dict(warps_prepare=(4, 1, 8))]
 
 
@@ -84,7 +84,7 @@ def forward_rows(x, fwd, label, variants, small):
 
 
 def fwd_bwd(B, T, H, fla_chunk_kda):
-    """Forward + backward of the current build and of fla, and the current build's time per kernel."""
+    """Forward + backward of this checkout and of fla, and this checkout's time per kernel."""
     x, do = make_grad_inputs(B, T, H)
     names = ("q", "k", "v", "g", "beta")
     out = {}

@@ -9,7 +9,7 @@ change in the machine's load affects all of them alike. Two medians are reported
 and the CPU time of this process (`time.process_time`), which other jobs on the machine inflate much less.
 Every thread count in `--threads` (default: 1) is measured separately. One thread is the default because on a
 machine shared with other jobs PyTorch's thread pool can spend more time waking threads than computing
-(on the 2-core machine the committed result comes from, two threads under load made both forms 10x slower).
+(on a loaded 2-core machine two threads made both forms 10x slower).
 The load average before and after is recorded for the same reason.
 
     .venv/bin/python bench/kernels/cpu_chunked_vs_recurrent.py [--repeats 7] [--threads 1,2]

@@ -1,6 +1,6 @@
 """Nsight Compute profile of the KDA forward (and, with --backward, the training step): ours beside fla's.
 
-Issue 20 asks for the profile before the next design: stall reasons, occupancy, tensor-core use and bytes per
+A profile comes before a new design: stall reasons, occupancy, tensor-core use and bytes per
 kernel, for fla's kernels and ours at one shape, in one process. Autotuning (fla's first call at a shape takes
 80-95 s and launches every configuration it tries) must stay out of the profile, so the script runs every method
 a few times first and only then opens the profiler's range (cudaProfilerStart); ncu is started with

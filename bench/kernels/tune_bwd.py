@@ -3,7 +3,7 @@
 Times forward + backward (as bench/kernels/bench_kda_bwd.py does) for each (lk_block, lk_warps) and pipeline depth
 (lk_stages) of `_local_k_kernel` and each (lv_block, lv_warps) of `_local_v_kernel`, the others at their
 defaults; the defaults are timed first and last (a drift check). Results to JSON after every variant, so a run
-stopped by `--minutes` or a time limit keeps what it measured. bench/NOTES.md keeps the conclusions.
+stopped by `--minutes` or a time limit keeps what it measured. docs/kernel-design.md keeps the conclusions.
 
     python bench/kernels/tune_bwd.py --out tune_bwd.json [--minutes 6]
 """

@@ -3,7 +3,7 @@
 For each headline shape: the three prepare kernels alone (`stop_after` stops the launcher after them) and the whole
 forward under each (key columns per step, warps) choice, the scan's time being the difference; optionally the
 scan's own knobs; fla's chunk_kda at the same shape in the same run for scale. Registers and
-spills of every compiled variant are recorded too. Results go to a JSON file; bench/NOTES.md keeps the
+spills of every compiled variant are recorded too. Results go to a JSON file; docs/kernel-design.md keeps the
 conclusions.
 
     python bench/kernels/tune_chunk.py --out tune.json [--shapes 1]

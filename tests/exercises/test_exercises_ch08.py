@@ -49,7 +49,7 @@ test_solution_passes, test_wrong_answer_is_rejected = checker_tests(CASES)
 
 
 def test_design_bytes_at_the_benchmark_shape():
-    # 1282 B of inputs, 1160 B written and read back, 256 B of output (bench/NOTES.md: about 3.8 kB).
+    # 1282 B of inputs, 1160 B written and read back, 256 B of output: about 3.8 kB per token and head.
     assert math.isclose(ch08.solution_design_bytes(128, 128, 64, 2, 2), 1282 + 2 * 1160 + 256)
 
 

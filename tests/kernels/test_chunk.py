@@ -148,7 +148,7 @@ def test_no_kernel_specialises_the_chunk_count():
     """Every kernel that takes NT (chunks per sequence) is compiled with NT in `do_not_specialize`. Triton
     compiles an integer argument equal to 1 as a constant; on the H200 (Triton 3.6) the scan kernel's
     one-chunk variant read shared memory out of bounds (an illegal memory access at T <= 64, found by
-    compute-sanitizer, bench/NOTES.md). The interpreter never specialises, so the fault itself shows only on a
+    compute-sanitizer; docs/kernel-design.md). The interpreter never specialises, so the fault itself shows only on a
     GPU (the one-chunk cases of test_chunk_bwd.py); here the kernels' own compile options are read: the
     interpreter's wrapper keeps them in `kwargs`, a compiled JITFunction in `do_not_specialize` (names or
     argument positions)."""
@@ -173,7 +173,7 @@ def test_the_inverse_of_the_diagonal_blocks_is_accurate_on_nearly_parallel_keys(
     """The prepare kernel's inverse of the diagonal blocks (forward substitution) on the case that separated the
     product form from substitution: keys within a few degrees of one direction, beta = 1, weak gates, so I + L is
     badly conditioned. It stays at float32 rounding against the float64 loop (the product form reached 3e-4 on
-    such keys, bench/NOTES.md)."""
+    such keys; docs/kernel-design.md)."""
     q, _, v, g, beta, h0 = make_inputs(1, 100, 1, 1, 32, 16, gate=-0.1)
     gen = torch.Generator().manual_seed(1)
     k = F.normalize(torch.randn(32, generator=gen) + 0.05 * torch.randn(1, 100, 1, 32, generator=gen), dim=-1)

@@ -32,7 +32,7 @@ from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-4, torch.bfloat16: 1e-2}
-# Measured on the H200 (bench/NOTES.md, session 7): with nearly parallel keys and beta = 1, chunk_kda's bf16
+# Measured on the H200: with nearly parallel keys and beta = 1, chunk_kda's bf16
 # path is 2.1e-2 from the loop on the same rounded inputs, over the 1e-2 of every other case: the solve turns
 # each value into its difference with the last one, and the bf16 intermediates keep 8 bits of those. The
 # claim for that case is the measured level with a margin, not 1e-2.

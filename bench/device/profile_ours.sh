@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 20: Nsight Compute profile of our kernels alone (forward + backward at one shape; fla's profile, same
-# fla version, is bench/results/h200_ncu_profile.json), then the GPU kernel suites of the same build. Carry .whl.
-#   bash bench/device/issue20_profile_ours.sh [B T H]
+# Nsight Compute profile of kda_edu's kernels alone (forward + backward at one shape; profile.sh profiles
+# them beside fla's), then the GPU kernel suites of the same build.
+#   OUT=<dir> bash bench/device/profile_ours.sh [B T H]
 # Writes $OUT/ncu_ours.log (ncu's raw CSV), ncu_ours.json (per launch), kernels.xml, tests.log.
 source bench/device/env.sh
 SHAPE=(${@:-1 8192 32})

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 20: one build's GPU kernel suites, its forward at the four headline shapes beside fla
+# One build's GPU kernel suites, its forward at the four headline shapes beside fla
 # (bench/kernels/bench_kda.py, no sweep) and its forward + backward at bench_kda_bwd.py's three shapes with
-# peak memory, in one call. Carry .whl and .tcache (fla's autotune results; refreshed into $OUT/autotune.tgz).
-#   BUILD=<commit> [SHAPES="1,8192,32 ..."] [SKIP_FORWARD=1] bash bench/device/issue20_build.sh
+# peak memory, in one run, so that every timing comes with the correctness tests of the same build.
+# .tcache/autotune.tgz, when present, holds fla's autotune results from an earlier run (refreshed into
+# $OUT/autotune.tgz), so fla does not autotune every shape again.
+#   OUT=<dir> BUILD=<commit> [SHAPES="1,8192,32 ..."] [SKIP_FORWARD=1] bash bench/device/kernel_timings.sh
 # Writes $OUT/kernels.xml, tests.log, h200_forward_split.json, fwd.log, h200_fwd_bwd.json, bwd.log, autotune.tgz.
 source bench/device/env.sh
 export TRITON_CACHE_DIR=/tmp/tcache

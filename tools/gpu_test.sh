@@ -7,7 +7,7 @@
 #   GPU_TEST_STAGES=notebooks bash tools/gpu_test.sh DIR      # one stage only ("unit" or "notebooks")
 #
 # The stages run one after the other, each alone on the GPU: the chapters' timing and memory checks failed
-# when the chapters shared the GPU with the unit suite (bench/NOTES.md, session 7). Every chapter keeps its
+# when the chapters shared the GPU with the unit suite (seen on an H200). Every chapter keeps its
 # cells in one worker (--dist loadfile). The reports are REPORT_DIR/unit.xml and REPORT_DIR/notebooks.xml;
 # the logs sit beside them. A stage past its time limit is stopped with SIGINT, so its report is still
 # written (with what ran). Exit status: non-zero if a stage failed.

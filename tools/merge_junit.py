@@ -8,7 +8,7 @@ source file it ran (a notebook, or a test module), so a cell or test removed sin
 stay behind as a stale case; cases of files only the earlier report ran are kept. Cases without a classname
 (pytest writes an empty one for some collection events) are dropped. The merged
 suite's counts are recomputed from its cases, and a property `merged_from` lists the inputs in order, so the
-report says it was assembled. bench/NOTES.md records which build each input ran on.
+report says it was assembled.
 """
 
 from __future__ import annotations

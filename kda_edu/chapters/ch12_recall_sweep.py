@@ -141,9 +141,9 @@ def needs_rerun(run: dict) -> bool:
 
     For KDA the old rule decayed its `[H, K]` dt_bias. The other mixers' gate parameters are vectors, which
     neither rule decayed, but their old runs came from earlier builds of the GPU path (one of them with an
-    out-of-bounds read in the one-chunk variant, bench/NOTES.md session 5), and two of them do not reproduce
+    out-of-bounds read in the one-chunk variant, a kernel bug since fixed), and two of them do not reproduce
     on the current build: Gated DeltaNet's collapse on Palindrome 128 and DeltaNet's NaN on MQAR 1024
-    (bench/NOTES.md, session 11). So the whole grid is re-run on one build."""
+    on later builds. So the whole grid is re-run on one build."""
     return "undecayed_gate_parameters" not in run
 
 
@@ -321,7 +321,7 @@ class RunPool:
         if slot is None:
             raise RuntimeError("RunPool.submit: every worker is busy; call next_results first")
         if len(specs) > 1 and slot.device.startswith("cuda") and preset["train"].get("cuda_graph"):
-            # Measured on the H200 (bench/NOTES.md, session 10): two threads capturing CUDA graphs at once
+            # Measured on the H200: two threads capturing CUDA graphs at once
             # invalidate each other's capture (cudaErrorStreamCaptureInvalidated), so every run fails.
             raise ValueError(
                 "runs trained together (--together > 1) cannot replay CUDA graphs: their captures, one per "

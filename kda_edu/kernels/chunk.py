@@ -28,12 +28,11 @@ piece's scan on a second stream of higher priority as soon as that piece's prepa
 one latency-bound program per multiprocessor, runs beside the next piece's prepare kernels instead of after
 all of them, and passes its state to the next piece through the final-state buffer (`chunk_kda_fwd`).
 
-Why three prepare kernels and not one: until session 15 one kernel did kernels 1-3's work (the A blocks, the
+Why three prepare kernels and not one: one kernel could do kernels 1-3's work (the A blocks, the
 inverse, then w and u by block substitution), holding everything in registers: 255 registers at 4 warps, two
 programs per multiprocessor, instruction-bound (bench/results/h200_ncu_profile.json). Split, each kernel holds
 only its own work; on the H200 the prepare fell from 1.19 to 0.85 ms at (1, 8192, 32), most of it from the
-bf16 products of kernel 1 and from kd's exponent in kernel 3 (bench/NOTES.md, session 15, and
-bench/results/h200_prepare_split_variants.json).
+bf16 products of kernel 1 and from kd's exponent in kernel 3 (docs/kernel-design.md).
 
 Between the prepare kernels and the scan go w, qg, kd, u, Aqk and exp(gc_C): about (3K + V + C) numbers per step and head,
 stored in the input's 16-bit dtype (float32 for float32 inputs). Their layout is [HV, chunk, row, column]:
@@ -66,7 +65,7 @@ keys of block c, with every other row and column scaled by 2^-inf = 0; and one p
 diagonal blocks, each row and column scaled by its own block's middle anchor, of which only the diagonal
 blocks are kept. That multiplies more zeros than the ten useful blocks need, and is faster all the same.
 Kernel 3 has no anchor to respect (exp(gc) <= 1) and multiplies whole chunks. The designs tried and their
-timings are in bench/NOTES.md; the current timings in bench/results/h200_forward_split.json.
+timings are in docs/kernel-design.md.
 
 Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
 operands to bfloat16 (`tile_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
@@ -1013,7 +1012,7 @@ def prepare_chunks(
     # The w/u kernel's products: with 16-bit inputs X and the right-hand tile are rounded to bfloat16 (the
     # default, or `wu_prec="bf16"`; `wu_prec="tf32"` keeps tf32), each product only where its tile has >= 32
     # columns: Triton 3.6's bfloat16 product of 64 x 64 by 64 x 16 hits an illegal address on the H200
-    # (bench/experiments/wu_bf16_repro.py).
+    # (docs/kernel-design.md, open questions).
     w_prec = u_prec = prec
     if wu_prec in (None, "bf16") and idt != torch.float32:
         w_prec = "bf16" if kc >= 32 else prec

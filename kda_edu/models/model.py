@@ -385,7 +385,9 @@ class HybridLM(nn.Module):
         Args:
             input_ids: prompts `[B, T]`, int64.
             max_new_tokens: how many tokens to add at most, >= 0.
-            temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`.
+            temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`
+                (computed so that a temperature too small for the division, such as 1e-300, is the greedy
+                limit rather than an overflow).
             top_k: when sampling, only the k most likely tokens can be drawn; None means all.
             generator: the random generator for sampling (for reproducible samples).
             eos_token_id: an end-of-sequence id (or a list of them): a sequence that produces one is finished,
@@ -482,11 +484,19 @@ class HybridLM(nn.Module):
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
-    """The next token `[B, 1]` from last-position logits `[B, vocab]`: argmax, or a (top-k) sample."""
+    """The next token `[B, 1]` from last-position logits `[B, vocab]`: argmax, or a (top-k) sample.
+
+    Sampling draws from `softmax((logits - max) / temperature)`, the division in float64, where any
+    temperature > 0 is a nonzero number: the most likely tokens get exactly 0 and the others a number <= 0
+    that may overflow to -inf, so the probabilities stay finite for every temperature. As the temperature
+    goes to 0 this becomes greedy decoding (a uniform draw among tokens tied for the maximum).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
+    probs = torch.softmax(shifted, dim=-1).float()
+    return torch.multinomial(probs, num_samples=1, generator=generator)

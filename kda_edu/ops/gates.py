@@ -139,4 +139,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a number > 0, got {eps!r}")
     y = x.to(compute_dtype(x.dtype))
-    return (y * torch.rsqrt((y * y).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    # sum(y^2) overflows for norms above ~1.8e19 in float32 (rsqrt(inf) = 0 would zero the vector), so
+    # y is first divided by c = 2^e <= max(|y|) (c = 1 for vectors with max |y| < 2): with
+    # y / sqrt(sum(y^2) + eps) = (y / c) / sqrt(sum((y / c)^2) + eps / c^2) and c a power of two, every
+    # rounding is the unscaled one shifted by the exponent, so results are unchanged wherever the sum did
+    # not overflow, and eps / c^2 <= eps cannot overflow.
+    peak = y.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    c = torch.ldexp(torch.ones_like(peak), torch.frexp(peak).exponent - 1)
+    y = y / c
+    return (y * torch.rsqrt((y * y).sum(dim=-1, keepdim=True) + eps / (c * c))).to(x.dtype)

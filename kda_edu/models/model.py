@@ -20,7 +20,9 @@ fixed size) for a KDA layer, an `MLACache` (one latent per token, growing) for a
 one at a time through the cache gives the same logits as one forward pass over the whole sequence.
 """
 
+import dataclasses
 import math
+import typing
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -115,7 +117,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HybridConfig":
-        """The inverse of `to_dict`; unknown keys raise a `ValueError` naming them."""
+        """The inverse of `to_dict`; unknown keys, and values of the wrong type (such as `"n_layers": 4.0`
+        from a hand-edited JSON file), raise a `ValueError` naming them."""
         sub = {"kda": KDAConfig, "mla": MLAConfig, "ffn": FFNConfig}
         _check_keys(cls, d, "HybridConfig")
         kwargs = dict(d)
@@ -127,11 +130,29 @@ class HybridConfig:
 
 
 def _check_keys(cls, d: dict, what: str) -> None:
+    """Every key of `d` is a field of the dataclass `cls`, and its value has the field's type (an int where
+    the field is an int, not a float or a bool; a float field also takes an int)."""
     if not isinstance(d, dict):
         raise ValueError(f"{what} must be a dict, got {type(d).__name__}")
     unknown = set(d) - {f.name for f in fields(cls)}
     if unknown:
         raise ValueError(f"{what} has unknown fields {sorted(unknown)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in d.items():
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        if dataclasses.is_dataclass(allowed[0]):
+            continue  # a nested config, checked on its own
+        if value is None:
+            ok = type(None) in allowed
+        elif isinstance(value, bool):
+            ok = bool in allowed
+        elif isinstance(value, int):
+            ok = int in allowed or float in allowed
+        else:
+            ok = type(value) in allowed
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{what}.{name} must be {names}, got {value!r} ({type(value).__name__})")
 
 
 class HybridCache:

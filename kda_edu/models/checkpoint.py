@@ -191,31 +191,41 @@ def _stored_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _load_tensors(model: HybridLM, tensors: dict[str, torch.Tensor], path) -> None:
-    """Check names and shapes against the model, then copy the values in."""
-    expected = {name: tuple(t.shape) for name, t in _stored_tensors(model).items()}
+    """Check names, shapes and values against the model, then copy the values in."""
+    check_tensors(model, tensors, path)
+    model.load_state_dict(tensors, strict=False)  # only tied aliases are absent, and they share storage
+
+
+def check_tensors(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], path, prefix: str = "", tied_once: bool = True
+) -> None:
+    """Raise a `CheckpointError` naming `path` unless `tensors` hold exactly the model's state dict (a tied
+    weight once, under its first name, with `tied_once`), each of the model's shape and without NaN or inf.
+    Tensor names in the message get `prefix` (the file's names for them)."""
+    state = _stored_tensors(model) if tied_once else model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in state.items()}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong_shape = [
-        f"{name} (model {list(shape)}, checkpoint {list(tensors[name].shape)})"
+        f"{prefix}{name} (model {list(shape)}, checkpoint {list(tensors[name].shape)})"
         for name, shape in expected.items()
         if name in tensors and tuple(tensors[name].shape) != shape
     ]
     problems = []
     for what, names in (("missing tensors", missing), ("unexpected tensors", unexpected)):
         if names:
-            problems.append(f"{what}: {', '.join(names)}")
+            problems.append(f"{what}: {', '.join(prefix + name for name in names)}")
     if wrong_shape:
         problems.append(f"tensors of the wrong shape: {', '.join(wrong_shape)}")
     if problems:
         raise CheckpointError(f"{path} does not match the model; " + "; ".join(problems))
     nonfinite = [
-        f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()})"
+        f"{prefix}{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()})"
         for name, t in tensors.items()
         if t.is_floating_point() and not bool(torch.isfinite(t).all())
     ]
     if nonfinite:
         raise CheckpointError(f"{path} holds NaN or inf values in tensors: {', '.join(nonfinite)}")
-    model.load_state_dict(tensors, strict=False)  # only tied aliases are absent, and they share storage
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -193,3 +193,15 @@ def test_beta_message_shows_the_value_that_breaks_the_range(dtype, bad, shown):
     with pytest.raises(ValueError, match="must lie in") as info:
         check_kda_inputs(x["q"].to(dtype), x["k"].to(dtype), x["v"].to(dtype), x["g"], beta)
     assert shown in str(info.value)
+
+
+def test_value_checks_run_on_the_cpu_and_elsewhere_only_in_debug_mode(monkeypatch):
+    from kda_edu.ops._checks import value_checks_enabled
+
+    monkeypatch.delenv("KDA_EDU_DEBUG", raising=False)
+    assert value_checks_enabled(torch.device("cpu"))
+    assert not value_checks_enabled(torch.device("meta"))  # stands for a GPU: a check would synchronise
+    monkeypatch.setenv("KDA_EDU_DEBUG", "1")
+    assert value_checks_enabled(torch.device("meta"))
+    monkeypatch.setenv("KDA_EDU_DEBUG", "0")
+    assert not value_checks_enabled(torch.device("meta"))

@@ -365,3 +365,40 @@ def test_save_pretrained_killed_at_any_moment_leaves_one_of_the_saves(tmp_path, 
         child.wait(timeout=60)
     loaded = from_pretrained(tmp_path)
     assert same_weights(loaded, tiny_model(0)) or same_weights(loaded, tiny_model(1, n_layers=2))
+
+
+def test_save_checkpoint_is_atomic(saved, monkeypatch):
+    """A failed save_checkpoint leaves the previous file whole and no temporary file behind."""
+    from kda_edu.models import checkpoint
+
+    model, path = saved
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(tiny_model(1), path)
+    monkeypatch.undo()
+    assert same_weights(load_checkpoint(path), model)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.safetensors"]
+
+
+def test_a_first_save_pretrained_stopped_between_its_renames_loads(tmp_path, monkeypatch):
+    """No previous save: the weights are in place, config.json only in its temporary file."""
+    from kda_edu.models import checkpoint
+
+    model, replace = tiny_model(2), os.replace
+
+    def replace_weights_only(src, dst):
+        if Path(dst).name != "model.safetensors":
+            raise RuntimeError("crash before the config's rename")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_weights_only)
+    with pytest.raises(RuntimeError, match="crash before"):
+        checkpoint.save_pretrained(model, tmp_path / "new")
+    monkeypatch.undo()
+    assert not (tmp_path / "new" / "config.json").exists()
+    assert same_weights(checkpoint.from_pretrained(tmp_path / "new"), model)

@@ -98,7 +98,7 @@ import triton
 import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
-from kda_edu.ops._checks import GATE_FLOOR, check_kda_inputs, resolve_scale
+from kda_edu.ops._checks import GATE_FLOOR, check_kda_inputs, format_value, resolve_scale
 from kda_edu.ops.varlen import check_cu_seqlens
 
 CHUNK = 64  # steps per chunk (C)
@@ -856,7 +856,8 @@ def check_gate_values(g: torch.Tensor, beta: torch.Tensor) -> None:
     if not beta_ok:
         lo, hi = torch.aminmax(beta)
         raise ValueError(
-            f"beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in [{lo:.4g}, {hi:.4g}] "
+            "beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in "
+            f"[{format_value(lo)}, {format_value(hi)}] "
             "(chunk_kda(..., check_inputs=False) skips this check)"
         )
 

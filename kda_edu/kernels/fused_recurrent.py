@@ -26,6 +26,7 @@ the state once and write it once. Its design follows from that:
   and a decoding loop needs no new state allocation per step.
 """
 
+import collections
 import functools
 
 import torch
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
-from kda_edu.ops._checks import check_kda_inputs, resolve_scale
+from kda_edu.ops._checks import check_kda_inputs, resolve_scale, value_checks_enabled
 from kda_edu.ops.varlen import check_cu_seqlens
 
 __all__ = ["fused_recurrent_kda"]
@@ -233,8 +234,10 @@ def fused_recurrent_kda(
         state_indices: int32/int64 ``[N]``: sequence ``i``'s state is row ``state_indices[i]`` of
             ``initial_state``, a pool ``[P, HV, K, V]`` of any size P, read and overwritten in place
             (needs ``inplace_final_state=True``; vLLM's state indices for continuous batching).
-            The indices are not checked against P (that would cost a host sync); they must be
-            distinct and in ``[0, P)``.
+            They must be distinct and in ``[0, P)``: an index outside would make the kernel read
+            and write memory outside the pool, two equal ones race on one row. They are checked
+            (a ValueError) when the tensors are on the CPU, or with ``KDA_EDU_DEBUG=1`` in the
+            environment; on a GPU otherwise not, since the check costs a host sync per step.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the inputs' dtype; ``final_state`` as
@@ -323,6 +326,16 @@ def _check_state_pool(state_indices, pool, inplace, N: int, HV: int, K: int, V: 
         )
     if pool.device != device:
         raise ValueError(f"initial_state must be on q's device ({device}), got {pool.device}")
+    if value_checks_enabled(device):
+        rows = state_indices.tolist()
+        outside = sorted({r for r in rows if not 0 <= r < pool.shape[0]})
+        repeated = sorted(r for r, n in collections.Counter(rows).items() if n > 1)
+        if outside or repeated:
+            raise ValueError(
+                f"state_indices must be distinct rows of the pool, in [0, P = {pool.shape[0]}), got {rows}"
+                + (f": {outside} outside" if outside else "")
+                + (f": {repeated} repeated" if repeated else "")
+            )
 
 
 def _run(q, k, v, g, beta, scale, initial_state, final_state, cu_seqlens, state_indices=None):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kda_edu.backend import check_backend, use_triton
 from kda_edu.ops._checks import compute_dtype
-from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
+from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize, overflow_scale
 from kda_edu.ops.kda import kda_chunked, kda_step
 from kda_edu.ops.varlen import check_attention_mask, check_cu_seqlens, positions_in_sequence, repad, unpad
 
@@ -214,7 +214,11 @@ class GatedRMSNorm(nn.Module):
         """x, gate `[..., dim]` -> `[..., dim]` in gate's dtype, computed in at least float32."""
         dtype = compute_dtype(x.dtype)
         x = x.to(dtype)
-        normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps)
+        c = overflow_scale(
+            x
+        )  # a power of two: the mean square of x / c cannot overflow, the bits are the same
+        x = x / c
+        normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps / (c * c))
         return (normed * self.weight.to(dtype) * torch.sigmoid(gate.to(dtype))).to(gate.dtype)
 
 

@@ -20,7 +20,9 @@ fixed size) for a KDA layer, an `MLACache` (one latent per token, growing) for a
 one at a time through the cache gives the same logits as one forward pass over the whole sequence.
 """
 
+import dataclasses
 import math
+import typing
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -115,7 +117,8 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HybridConfig":
-        """The inverse of `to_dict`; unknown keys raise a `ValueError` naming them."""
+        """The inverse of `to_dict`; unknown keys, and values of the wrong type (such as `"n_layers": 4.0`
+        from a hand-edited JSON file), raise a `ValueError` naming them."""
         sub = {"kda": KDAConfig, "mla": MLAConfig, "ffn": FFNConfig}
         _check_keys(cls, d, "HybridConfig")
         kwargs = dict(d)
@@ -127,11 +130,29 @@ class HybridConfig:
 
 
 def _check_keys(cls, d: dict, what: str) -> None:
+    """Every key of `d` is a field of the dataclass `cls`, and its value has the field's type (an int where
+    the field is an int, not a float or a bool; a float field also takes an int)."""
     if not isinstance(d, dict):
         raise ValueError(f"{what} must be a dict, got {type(d).__name__}")
     unknown = set(d) - {f.name for f in fields(cls)}
     if unknown:
         raise ValueError(f"{what} has unknown fields {sorted(unknown)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in d.items():
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        if dataclasses.is_dataclass(allowed[0]):
+            continue  # a nested config, checked on its own
+        if value is None:
+            ok = type(None) in allowed
+        elif isinstance(value, bool):
+            ok = bool in allowed
+        elif isinstance(value, int):
+            ok = int in allowed or float in allowed
+        else:
+            ok = type(value) in allowed
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{what}.{name} must be {names}, got {value!r} ({type(value).__name__})")
 
 
 class HybridCache:
@@ -385,7 +406,9 @@ class HybridLM(nn.Module):
         Args:
             input_ids: prompts `[B, T]`, int64.
             max_new_tokens: how many tokens to add at most, >= 0.
-            temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`.
+            temperature: 0 picks the most likely token (greedy); > 0 samples from `softmax(logits / temperature)`
+                (computed so that a temperature too small for the division, such as 1e-300, is the greedy
+                limit rather than an overflow).
             top_k: when sampling, only the k most likely tokens can be drawn; None means all.
             generator: the random generator for sampling (for reproducible samples).
             eos_token_id: an end-of-sequence id (or a list of them): a sequence that produces one is finished,
@@ -482,11 +505,19 @@ class HybridLM(nn.Module):
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
-    """The next token `[B, 1]` from last-position logits `[B, vocab]`: argmax, or a (top-k) sample."""
+    """The next token `[B, 1]` from last-position logits `[B, vocab]`: argmax, or a (top-k) sample.
+
+    Sampling draws from `softmax((logits - max) / temperature)`, the division in float64, where any
+    temperature > 0 is a nonzero number: the most likely tokens get exactly 0 and the others a number <= 0
+    that may overflow to -inf, so the probabilities stay finite for every temperature. As the temperature
+    goes to 0 this becomes greedy decoding (a uniform draw among tokens tied for the maximum).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
+    probs = torch.softmax(shifted, dim=-1).float()
+    return torch.multinomial(probs, num_samples=1, generator=generator)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kda_edu.layers.mla import MLA, mla_absorbed_reference
 from kda_edu.models.model import HybridConfig, HybridLM
+from kda_edu.ops._checks import value_checks_enabled
 from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.ops.kda import kda_step
 
@@ -36,8 +37,11 @@ class ServingDecoder:
     A sequence joins with `add(prompt)` (a prefill through the model's ordinary forward, copied into a free
     row) and leaves with `release(slot)`; `step(tokens, slots)` decodes one token for each listed row, in
     any order and any subset. The step reads its positions from `lengths` on the device and launches work whose
-    shapes depend only on the batch size, so it makes no host synchronisation, validates nothing and (in a
-    CUDA graph) allocates nothing. On a CUDA device the attention runs in `kda_edu.kernels.mla_decode` and the
+    shapes depend only on the batch size, so on a GPU it makes no host synchronisation and (in a CUDA graph)
+    allocates nothing. It checks the shapes and dtypes of its arguments; their values (slots in use and
+    distinct, every sequence shorter than `max_len`, token ids in the vocabulary) are checked before anything
+    changes when the decoder is on the CPU, and on a GPU only with `KDA_EDU_DEBUG=1` in the environment
+    (`kda_edu.ops._checks.value_checks_enabled`), since reading them costs a host synchronisation. On a CUDA device the attention runs in `kda_edu.kernels.mla_decode` and the
     recurrence in `fused_recurrent_kda` with state indices, and each batch size's step is captured once as a
     CUDA graph and replayed; elsewhere the same step runs eagerly with PyTorch's `mla_absorbed_reference` and
     `mla_absorbed_reference` and `kda_step` (or with the kernels through Triton's interpreter, `kernels=True`).
@@ -136,7 +140,15 @@ class ServingDecoder:
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Decode one token for each sequence: `tokens` int64 `[B]` at rows `slots` (int64 `[B]`, distinct, in
-        use). Returns the logits `[B, vocab]`; with CUDA graphs a buffer that the next step overwrites."""
+        use, each holding fewer than `max_len` tokens). Returns the logits `[B, vocab]`; with CUDA graphs a
+        buffer that the next step overwrites.
+
+        Raises:
+            ValueError: bad shapes or dtypes; and, where the values are checked (see the class), a slot not
+                in use or listed twice, a sequence already `max_len` tokens long, a token id outside the
+                vocabulary. Nothing has changed when it is raised.
+        """
+        self._check_step(tokens, slots)
         if not self.cuda_graph:
             return self._step(tokens, slots)
         B = tokens.shape[0]
@@ -147,6 +159,38 @@ class ServingDecoder:
         static_slots.copy_(slots)
         graph.replay()
         return logits
+
+    def _check_step(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+        device = self.lengths.device
+        for name, x in (("tokens", tokens), ("slots", slots)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.long or x.device != device:
+                got = f"{tuple(x.shape)} {x.dtype} on {x.device}" if isinstance(x, torch.Tensor) else type(x)
+                raise ValueError(f"{name} must be an int64 tensor [B] on {device}, got {got}")
+        if not 1 <= tokens.shape[0] == slots.shape[0] <= self.max_seqs:
+            raise ValueError(
+                f"tokens and slots must both have length B in [1, max_seqs = {self.max_seqs}], got "
+                f"{tokens.shape[0]} and {slots.shape[0]}"
+            )
+        if not value_checks_enabled(device):
+            return
+        rows, vocab = slots.tolist(), self.model.config.vocab_size
+        seen = set()
+        for slot in rows:
+            if not 0 <= slot < self.max_seqs or slot in self.free:
+                raise ValueError(f"slot {slot} is not in use (add a sequence first)")
+            if slot in seen:
+                raise ValueError(
+                    f"slot {slot} is listed twice in slots {rows}: one token per sequence per step"
+                )
+            seen.add(slot)
+        for slot, length in zip(rows, self.lengths[slots].tolist(), strict=True):
+            if length >= self.max_len:
+                raise ValueError(
+                    f"slot {slot} already holds max_len = {self.max_len} tokens: it cannot take another "
+                    "(release it, or build the decoder with a larger max_len)"
+                )
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise ValueError(f"tokens must lie in [0, vocab_size = {vocab}), got {tokens.tolist()}")
 
     def _capture(self, B: int) -> tuple:
         """Record one step for batch size B as a CUDA graph, warming up (compiling the kernels) on the

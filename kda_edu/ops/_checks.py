@@ -13,11 +13,18 @@ Every model in the book, from softmax attention to KDA, reads the same layout:
 `check_kda_inputs` checks all of it once, at the public boundary, and raises a `TypeError` (wrong type or
 dtype) or `ValueError` (wrong rank, shape, device or value) whose message names the argument and what was
 expected. The functions behind the boundary trust their inputs.
+
+Some checks need tensor values on the host: on a GPU each is a synchronisation, which the decoding paths
+(`fused_recurrent_kda`'s state indices, `ServingDecoder.step`) cannot afford per token. Those run when the
+tensors are on the CPU, where reading a value costs nothing, and on a GPU only when the environment variable
+`KDA_EDU_DEBUG=1` is set (`value_checks_enabled`).
 """
 
 import math
+import os
 from numbers import Real
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -45,6 +52,24 @@ GATE_FLOOR = {torch.float32: -105.0, torch.float64: -750.0}
 def clamp_gates(g: torch.Tensor) -> torch.Tensor:
     """g (in a compute dtype, float32 or float64) with every value below `GATE_FLOOR` raised to it; NaN stays."""
     return g.clamp_min(GATE_FLOOR[g.dtype])
+
+
+def value_checks_enabled(device: torch.device) -> bool:
+    """Whether the value checks of the hot decoding paths run for tensors on `device`: on the CPU always (a
+    value is read there without waiting for anything), elsewhere only with `KDA_EDU_DEBUG=1` in the
+    environment (each check then costs a host synchronisation)."""
+    return device.type == "cpu" or os.environ.get("KDA_EDU_DEBUG", "0") not in ("", "0")
+
+
+def format_value(x: torch.Tensor) -> str:
+    """A one-element tensor's value with the fewest digits that tell it apart from every other value of its
+    dtype: 1.0000001 for the float32 just above 1 (which `:.4g` would print as 1), 0.1 for float32 0.1."""
+    value = x.item()
+    if x.dtype == torch.float64:
+        return repr(value)
+    return str(
+        np.float16(value) if x.dtype == torch.float16 else np.float32(value)
+    )  # bf16 values are float32's
 
 
 def _require_tensor(name: str, x, expected: str) -> None:
@@ -231,7 +256,8 @@ def check_kda_inputs(
         if beta is not None and not bool(((beta >= 0) & (beta <= 1)).all()):
             lo, hi = torch.aminmax(beta)
             raise ValueError(
-                f"beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in [{lo:.4g}, {hi:.4g}]"
+                "beta of shape [B, T, HV] must lie in [0, 1] and not be NaN, got values in "
+                f"[{format_value(lo)}, {format_value(hi)}]"
             )
 
     return B, T, H, HV, K, V

@@ -139,4 +139,21 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a number > 0, got {eps!r}")
     y = x.to(compute_dtype(x.dtype))
-    return (y * torch.rsqrt((y * y).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    # sum(y^2) overflows for norms above ~1.8e19 in float32 (rsqrt(inf) = 0 would zero the vector), so
+    # y is first divided by a power of two c (`overflow_scale`):
+    # y / sqrt(sum(y^2) + eps) = (y / c) / sqrt(sum((y / c)^2) + eps / c^2).
+    c = overflow_scale(y)
+    y = y / c
+    return (y * torch.rsqrt((y * y).sum(dim=-1, keepdim=True) + eps / (c * c))).to(x.dtype)
+
+
+def overflow_scale(y: torch.Tensor) -> torch.Tensor:
+    """`c [..., 1]`, a power of two with max |y| / 2 < c <= max |y| over the last dim (c = 1 where max |y| < 2),
+    constant for autograd: dividing by it keeps a sum of squares of y from overflowing (it is at most K).
+
+    Because c is a power of two, every rounding of a computation on y / c is the unscaled one shifted by the
+    exponent: normalising y / c with eps / c^2 in place of eps gives the same bits as normalising y wherever
+    the unscaled sum did not overflow, and eps / c^2 <= eps cannot overflow.
+    """
+    peak = y.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    return torch.ldexp(torch.ones_like(peak), torch.frexp(peak).exponent - 1)

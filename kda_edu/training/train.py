@@ -23,7 +23,11 @@ seed and the step. Nothing else draws random numbers, so the same configuration 
 same machine, and a run resumed from a checkpoint continues exactly as the uninterrupted run would have.
 
 A checkpoint is one safetensors file: the model's tensors (`model.*`), AdamW's moments and step counts
-(`optim.*`), and as JSON metadata the task, both configs, the step reached and the history so far.
+(`optim.*`), and as JSON metadata the task, both configs, the step reached and the history so far. It is
+written atomically (`kda_edu.models.checkpoint.atomic_write`), and everything in it is checked before a
+resumed run uses any of it: a file that is not a complete training checkpoint, a missing, unexpected,
+misshapen or non-finite tensor, a negative second moment or a step count that is not a whole number in
+[1, step reached] raises a `CheckpointError` (a ValueError) naming the file, the tensor and what was expected.
 """
 
 import json
@@ -36,12 +40,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kda_edu.layers.kda_layer import GATE_PARAMETERS  # make_optimizer reads it from this module
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, RecallConfig, RecallLM
+from kda_edu.models.checkpoint import CheckpointError, atomic_write, check_tensors
 from kda_edu.training.tasks import TaskBatch, task_to_dict
 
 FORMAT = "kda_edu.training.train"
@@ -346,47 +351,128 @@ def _metadata(task, model_config: RecallConfig, config: TrainConfig) -> dict[str
 
 
 def save_training_checkpoint(path, model, optimizer, task, model_config, config, step, history) -> None:
-    """Write the model, AdamW's state, the configs, the step reached and the history to one safetensors file."""
+    """Write the model, AdamW's state, the configs, the step reached and the history to one safetensors file
+    (atomically: a crash while saving leaves the previous checkpoint)."""
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     for i, state in optimizer.state_dict()["state"].items():
         for name, value in state.items():
             tensors[f"optim.{i}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
     metadata = {**_metadata(task, model_config, config), "step": str(step), "history": json.dumps(history)}
-    tmp = Path(path).with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)  # a crash mid-write never leaves a broken checkpoint behind
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_training_checkpoint(path, model, optimizer, task, model_config, config) -> tuple[int, list[dict]]:
     """Load a checkpoint written by `save_training_checkpoint` into `model` and `optimizer` (in place).
+
+    Everything is checked before anything is loaded, so on an error `model` and `optimizer` are unchanged.
 
     Returns:
         `(step, history)`: the number of steps the checkpoint had done, and its history.
 
     Raises:
         FileNotFoundError: no file at `path`.
-        ValueError: the checkpoint is not a training checkpoint, or was written for another task or config.
+        CheckpointError (a ValueError): the file is not a complete safetensors file or not a training
+            checkpoint, was written for another task or config, or holds tensors that do not fit the model
+            and AdamW (each named with what was expected).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {path}")
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a complete safetensors file ({e})") from e
     if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a kda_edu training checkpoint (format {metadata.get('format')!r})")
+        raise CheckpointError(
+            f"{path} is not a kda_edu training checkpoint (format {metadata.get('format')!r})"
+        )
     expected = _metadata(task, model_config, config)
+    saved = {}
+    for key in ("task", "model_config", "train_config", "step", "history"):
+        try:
+            saved[key] = json.loads(metadata[key])
+        except (KeyError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} has no valid JSON metadata {key!r} ({e!r})") from e
     for key in ("task", "model_config", "train_config"):
-        if json.loads(metadata[key]) != json.loads(expected[key]):
-            raise ValueError(
+        if saved[key] != json.loads(expected[key]):
+            raise CheckpointError(
                 f"{path} was written for another {key}: {metadata[key]} (expected {expected[key]})"
             )
+    step, history = saved["step"], saved["history"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= config.steps:
+        raise CheckpointError(f"{path}: metadata 'step' must be an int in [0, {config.steps}], got {step!r}")
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise CheckpointError(
+            f"{path}: metadata 'history' must be a list of dicts, got {metadata['history']!r}"
+        )
+
+    model_tensors = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    optim_tensors = {k: v for k, v in tensors.items() if k.startswith("optim.")}
+    others = sorted(set(tensors) - {f"model.{k}" for k in model_tensors} - set(optim_tensors))
+    if others:
+        raise CheckpointError(f"{path} holds unexpected tensors {others} (only model.* and optim.*)")
+    check_tensors(model, model_tensors, path, prefix="model.", tied_once=False)
+    optim_state = _check_optimizer_state(optimizer, optim_tensors, step, path)
+
     device = next(model.parameters()).device
-    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    model.load_state_dict(model_tensors)
     state = optimizer.state_dict()
-    for name, value in tensors.items():
-        if name.startswith("optim."):
-            _, i, key = name.split(".")
-            state["state"].setdefault(int(i), {})[key] = value.to(device) if key != "step" else value
+    for i, values in optim_state.items():
+        state["state"][i] = {
+            key: value.to(device) if key != "step" else value for key, value in values.items()
+        }
     optimizer.load_state_dict(state)
-    return int(metadata["step"]), json.loads(metadata["history"])
+    return step, history
+
+
+def _check_optimizer_state(optimizer, tensors: dict[str, torch.Tensor], step: int, path) -> dict[int, dict]:
+    """AdamW's per-parameter state from the `optim.<i>.<key>` tensors, checked against the optimizer: every
+    index names a parameter; each parameter with a state has exactly AdamW's keys; the moments have the
+    parameter's shape, are finite, and the second ones >= 0; the step count is a whole number in [1, step]."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    amsgrad = any(group.get("amsgrad", False) for group in optimizer.param_groups)
+    moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    keys = {"step", *moments}
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) >= len(params) or parts[2] not in keys:
+            raise CheckpointError(
+                f"{path}: unexpected optimizer tensor {name!r}; expected optim.<i>.<key> with i a parameter "
+                f"index in [0, {len(params)}) and key one of {sorted(keys)}"
+            )
+        state.setdefault(int(parts[1]), {})[parts[2]] = value
+    for i, values in sorted(state.items()):
+        missing = sorted(keys - set(values))
+        if missing:
+            raise CheckpointError(
+                f"{path}: AdamW's state of parameter {i} lacks {', '.join(f'optim.{i}.{k}' for k in missing)} "
+                f"(each parameter with a state needs {sorted(keys)})"
+            )
+        shape = tuple(params[i].shape)
+        for key in moments:
+            t, name = values[key], f"optim.{i}.{key}"
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise CheckpointError(
+                    f"{path}: {name} must be a floating tensor of its parameter's shape {list(shape)}, got "
+                    f"{list(t.shape)} {t.dtype}"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise CheckpointError(
+                    f"{path}: {name} holds NaN or inf ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)"
+                )
+            if key != "exp_avg" and not bool((t >= 0).all()):
+                raise CheckpointError(
+                    f"{path}: {name} (a second moment) must be >= 0, got min {t.min().item()!r}"
+                )
+        t = values["step"]
+        count = t.item() if t.numel() == 1 else None
+        if count is None or not math.isfinite(count) or count != int(count) or not 1 <= count <= step:
+            shown = t.tolist() if t.numel() <= 4 else f"a tensor of shape {list(t.shape)}"
+            raise CheckpointError(
+                f"{path}: optim.{i}.step must be one whole number in [1, {step}] (the steps this parameter "
+                f"was updated, at most the checkpoint's step), got {shown!r}"
+            )
+    return state

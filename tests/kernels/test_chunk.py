@@ -269,3 +269,14 @@ def test_one_piece_when_the_scan_takes_more_than_one_wave():
         (0, 1, 0, 96),
         (0, 1, 96, 32),
     ]  # the last half a share
+
+
+def test_beta_message_shows_the_value_that_breaks_the_range():
+    """`:.4g` printed the float32 just above 1 as 1 ("got values in [0.25, 1]"); no kernel runs."""
+    from kda_edu.kernels.chunk import check_gate_values
+
+    g = -torch.ones(1, 4, 2, 8)
+    beta = torch.full((1, 4, 2), 0.25)
+    beta[0, 2, 1] = 1.0000001
+    with pytest.raises(ValueError, match=r"got values in \[0\.25, 1\.0000001\]"):
+        check_gate_values(g, beta)

@@ -199,3 +199,31 @@ def test_matches_fla():
     )
     for x, y in zip(ours, theirs, strict=True):
         assert rel_err(x, y.double()) <= TOL
+
+
+@pytest.mark.parametrize(
+    "rows, words",
+    [
+        ([1, 4], r"got \[1, 4\]: \[4\] outside"),
+        ([-1, 2], r"got \[-1, 2\]: \[-1\] outside"),
+        ([2, 2], r"got \[2, 2\]: \[2\] repeated"),
+    ],
+)
+def test_state_indices_outside_the_pool_or_repeated_are_refused(rows, words, monkeypatch):
+    """The pool is rows 0-3 of a larger buffer: index 4 used to be written into the row after the pool
+    (and -1 into the row before), and a repeated index raced on one row, with no error. On the CPU, or with
+    KDA_EDU_DEBUG=1, the indices are checked before the kernel runs; nothing is written."""
+    monkeypatch.setenv("KDA_EDU_DEBUG", "1")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 1, 4, generator=gen).to(DEVICE) for _ in range(3))
+    g, beta = -torch.rand(2, 1, 1, 4, generator=gen).to(DEVICE), torch.rand(2, 1, 1, generator=gen).to(DEVICE)
+    buffer = torch.randn(6, 1, 4, 4, generator=gen).to(DEVICE)
+    pool, before = buffer[1:5], buffer.clone()
+    index = torch.tensor(rows, device=DEVICE)
+    with pytest.raises(
+        ValueError, match=r"state_indices must be distinct rows of the pool, in \[0, P = 4\), " + words
+    ):
+        fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=pool, inplace_final_state=True, state_indices=index
+        )
+    assert torch.equal(buffer, before)

@@ -428,3 +428,28 @@ def test_casting_a_layer_keeps_its_gate_in_float32():
         mixer.q_proj.weight.dtype == torch.float16
         and mixer.A_log.dtype == mixer.dt_bias.dtype == torch.float32
     )
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e25, 1e35])
+def test_gated_rms_norm_of_huge_values(scale):
+    """The float32 mean square overflowed past |x| ~ 1.8e19 and rsqrt(inf) = 0 zeroed the output: RMSNorm is
+    scale-invariant, so x * scale must give (nearly, eps aside) what x gives."""
+    from kda_edu.layers.kda_layer import GatedRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = GatedRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    x, gate = 100 * torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    torch.testing.assert_close(norm(x * scale, gate), norm(x, gate), rtol=1e-5, atol=0)
+
+
+def test_gated_rms_norm_of_ordinary_values_is_the_plain_formula_bit_for_bit():
+    from kda_edu.layers.kda_layer import GatedRMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    norm = GatedRMSNorm(16, eps=1e-5)
+    for scale in (1e-20, 1e-3, 1.0, 5.0, 1e8, 1e15):
+        x, gate = scale * torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
+        plain = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * torch.sigmoid(gate)
+        assert torch.equal(norm(x, gate), plain)

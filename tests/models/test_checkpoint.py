@@ -1,6 +1,9 @@
 """Checkpoints: a safetensors round trip, and a clear error for every way a file can be unusable."""
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +175,230 @@ def test_from_pretrained_names_what_is_wrong(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "format": "other"}))
     with pytest.raises(CheckpointError, match="not a valid kda_edu config"):
         from_pretrained(tmp_path)
+
+
+def same_weights(a: HybridLM, b: HybridLM) -> bool:
+    return a.config == b.config and all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_inf_weights_are_refused_and_named(tmp_path, value):
+    """A NaN weight used to load silently (the first forward then blamed the gate)."""
+    from kda_edu.models.checkpoint import from_pretrained, save_pretrained
+
+    save_pretrained(tiny_model(), tmp_path)
+    path = tmp_path / "model.safetensors"
+
+    def spoil(t):
+        t["blocks.1.mixer.q_proj.weight"][2, 3] = value
+        t["norm.weight"][:2] = -value
+
+    rewrite(path, path, spoil)
+    match = (
+        r"model\.safetensors holds NaN or inf values in tensors: .*blocks\.1\.mixer\.q_proj\.weight \(1 of "
+    )
+    with pytest.raises(CheckpointError, match=match):
+        from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"norm\.weight \(2 of 16\)"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="NaN or inf"):
+        load_weights(tiny_model(), path)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c: c.update(n_layers=4.0), "HybridConfig.n_layers must be int, got 4.0 (float)"),
+        (lambda c: c.update(d_model="16"), "HybridConfig.d_model must be int, got '16' (str)"),
+        (lambda c: c.update(tie_embeddings=1), "HybridConfig.tie_embeddings must be bool, got 1 (int)"),
+        (lambda c: c["kda"].update(num_heads=2.0), "HybridConfig.kda.num_heads must be int, got 2.0"),
+        (lambda c: c["kda"].update(num_v_heads=[2]), "HybridConfig.kda.num_v_heads must be int or None"),
+    ],
+)
+def test_config_json_values_of_the_wrong_type_are_a_checkpoint_error(tmp_path, change, words):
+    """`"n_layers": 4.0` used to escape as a raw TypeError ("'float' object cannot be interpreted as an
+    integer") from building the model."""
+    from kda_edu.models.checkpoint import from_pretrained, save_pretrained
+
+    save_pretrained(tiny_model(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    change(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError, match="config.json is not a valid kda_edu config: " + re.escape(words)
+    ):
+        from_pretrained(tmp_path)
+    assert (
+        HybridConfig.from_dict({**tiny_model().config.to_dict(), "norm_eps": 1}).norm_eps == 1
+    )  # int for float
+
+
+def test_a_failed_save_pretrained_leaves_the_previous_save(tmp_path, monkeypatch):
+    """An exception while the weights or the config are written: the previous save still loads and no
+    temporary file is left. (Writing config.json in place first used to leave the new config beside the
+    old weights: "was saved from a different config; n_layers: model 2, checkpoint 4".)"""
+    from kda_edu.models import checkpoint
+
+    old, new = tiny_model(0), tiny_model(1, n_layers=2)
+    checkpoint.save_pretrained(old, tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")  # someone else's file: left alone
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("crash while writing")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(RuntimeError, match="crash while writing"):
+        checkpoint.save_pretrained(new, tmp_path)
+    monkeypatch.undo()
+    assert same_weights(checkpoint.from_pretrained(tmp_path), old)
+
+    monkeypatch.setattr(Path, "write_text", crash)
+    with pytest.raises(RuntimeError, match="crash while writing"):
+        checkpoint.save_pretrained(new, tmp_path)
+    monkeypatch.undo()
+    assert same_weights(checkpoint.from_pretrained(tmp_path), old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+
+
+def test_a_save_pretrained_stopped_between_its_renames_loads_the_new_model(tmp_path, monkeypatch):
+    """The weights are renamed into place, the config is not: the directory holds the new weights beside the
+    old config.json, and from_pretrained takes the new config from its fully written temporary file."""
+    from kda_edu.models import checkpoint
+
+    old, new = tiny_model(0), tiny_model(1, n_layers=2)
+    checkpoint.save_pretrained(old, tmp_path)
+    renames, replace = [], os.replace
+
+    def replace_once(src, dst):
+        if renames:
+            raise RuntimeError("crash between the renames")
+        renames.append(dst)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_once)
+    with pytest.raises(RuntimeError, match="between the renames"):
+        checkpoint.save_pretrained(new, tmp_path)
+    monkeypatch.undo()
+    assert [Path(p).name for p in renames] == ["model.safetensors"]
+    assert json.loads((tmp_path / "config.json").read_text())["n_layers"] == 4  # still the old config.json
+    assert same_weights(checkpoint.from_pretrained(tmp_path), new)
+    checkpoint.save_pretrained(new, tmp_path)  # the next save completes the directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert same_weights(checkpoint.from_pretrained(tmp_path), new)
+
+
+CHILD = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from kda_edu.models import checkpoint
+from test_checkpoint import tiny_model
+
+write = checkpoint.save_file
+
+def write_then_die(*args, **kwargs):  # SIGKILL right after the new weights reach the disk
+    write(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.save_file = write_then_die
+checkpoint.save_pretrained(tiny_model(1, n_layers=2), {directory!r})
+"""
+
+
+def test_save_pretrained_killed_mid_save_leaves_a_directory_that_loads(tmp_path):
+    """A process SIGKILLed inside save_pretrained, once the new weights are written: the previous save
+    loads. (Writing in place, the directory held the new config.json and the old weights: refused.)"""
+    import signal
+    import subprocess
+    import sys
+
+    from kda_edu.models.checkpoint import from_pretrained, save_pretrained
+
+    old = tiny_model(0)
+    save_pretrained(old, tmp_path)
+    here = Path(__file__).parent
+    code = CHILD.format(root=str(here.parents[1]), tests=str(here), directory=str(tmp_path))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert same_weights(from_pretrained(tmp_path), old)
+
+
+LOOP = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from kda_edu.models.checkpoint import save_pretrained
+from test_checkpoint import tiny_model
+
+models = [tiny_model(0), tiny_model(1, n_layers=2)]
+save_pretrained(models[0], {directory!r})
+print("saved", flush=True)
+i = 1
+while True:
+    save_pretrained(models[i % 2], {directory!r})
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
+def test_save_pretrained_killed_at_any_moment_leaves_one_of_the_saves(tmp_path, delay):
+    """A process saving two models in turn, SIGKILLed at an arbitrary moment: the directory loads, as one
+    of the two."""
+    import subprocess
+    import sys
+    import time
+
+    from kda_edu.models.checkpoint import from_pretrained
+
+    here = Path(__file__).parent
+    code = LOOP.format(root=str(here.parents[1]), tests=str(here), directory=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "saved"
+        time.sleep(delay)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    loaded = from_pretrained(tmp_path)
+    assert same_weights(loaded, tiny_model(0)) or same_weights(loaded, tiny_model(1, n_layers=2))
+
+
+def test_save_checkpoint_is_atomic(saved, monkeypatch):
+    """A failed save_checkpoint leaves the previous file whole and no temporary file behind."""
+    from kda_edu.models import checkpoint
+
+    model, path = saved
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint(tiny_model(1), path)
+    monkeypatch.undo()
+    assert same_weights(load_checkpoint(path), model)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.safetensors"]
+
+
+def test_a_first_save_pretrained_stopped_between_its_renames_loads(tmp_path, monkeypatch):
+    """No previous save: the weights are in place, config.json only in its temporary file."""
+    from kda_edu.models import checkpoint
+
+    model, replace = tiny_model(2), os.replace
+
+    def replace_weights_only(src, dst):
+        if Path(dst).name != "model.safetensors":
+            raise RuntimeError("crash before the config's rename")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_weights_only)
+    with pytest.raises(RuntimeError, match="crash before"):
+        checkpoint.save_pretrained(model, tmp_path / "new")
+    monkeypatch.undo()
+    assert not (tmp_path / "new" / "config.json").exists()
+    assert same_weights(checkpoint.from_pretrained(tmp_path / "new"), model)

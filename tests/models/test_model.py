@@ -113,6 +113,28 @@ def test_sampling_follows_the_temperature_scaled_softmax():
     assert (freq - probs).abs().max() < 0.03
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    """A temperature so small that logits / temperature overflows is the greedy limit, not a NaN
+    probability (it used to fail in torch.multinomial: "probability tensor contains either inf, nan or
+    element < 0")."""
+    model = make_model()
+    prompt = ids(3, 4)
+    greedy = model.generate(prompt, 5)
+    sampled = model.generate(prompt, 5, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, greedy)
+    assert torch.equal(model.generate(prompt, 5, temperature=temperature, top_k=2), greedy)
+
+
+def test_a_tiny_temperature_draws_uniformly_among_tied_maxima():
+    from kda_edu.models.model import _pick
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, 3.0, float("-inf")]]).expand(2000, 5)
+    draws = _pick(logits, 1e-300, None, torch.Generator().manual_seed(0))[:, 0]
+    counts = torch.bincount(draws, minlength=5)
+    assert counts[[0, 2, 4]].sum() == 0 and 800 < counts[1] < 1200 and counts[1] + counts[3] == 2000
+
+
 def test_cache_objects_report_their_size():
     torch.manual_seed(0)
     model = HybridLM(tiny_config(n_layers=8))

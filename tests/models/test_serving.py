@@ -174,3 +174,54 @@ def test_append_into_preallocated_rows_equals_the_layer(mode, kernels):
     torch.testing.assert_close(out, full[:, 7:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rows[:, 7:12], layer.latents(x[:, 7:]).detach())
     assert rows[:, 12:].abs().max() == 0
+
+
+def pools_snapshot(decoder: ServingDecoder) -> list[torch.Tensor]:
+    return [decoder.lengths.clone(), *(t.clone() for pool in decoder.pools for t in pool.values())]
+
+
+@pytest.mark.parametrize("pattern", ["KKKA", "K"])
+def test_a_step_past_max_len_raises_before_changing_anything(pattern):
+    """A sequence already max_len tokens long: the step used to advance its KDA states and then raise an
+    IndexError in the MLA layer ("index 6 is out of bounds for dimension 1 with size 6"), or, without an MLA
+    layer, to go on past max_len silently. Now a ValueError names the slot and max_len, and every pool is as
+    it was."""
+    config = CONFIG if pattern == "KKKA" else HybridConfig(**{**CONFIG.__dict__, "layer_pattern": "K"})
+    torch.manual_seed(0)
+    lm = HybridLM(config).double().eval()
+    decoder = ServingDecoder(lm, max_seqs=2, max_len=6, cuda_graph=False)
+    other, _ = decoder.add(torch.tensor([1, 2]))
+    slot, _ = decoder.add(torch.tensor([1, 2, 3, 4, 5]))
+    decoder.step(torch.tensor([6]), torch.tensor([slot]))  # the 6th token: the row is full
+    before = pools_snapshot(decoder)
+    with pytest.raises(ValueError, match=f"slot {slot} already holds max_len = 6 tokens"):
+        decoder.step(torch.tensor([3, 7]), torch.tensor([other, slot]))
+    assert all(torch.equal(a, b) for a, b in zip(before, pools_snapshot(decoder), strict=True))
+    decoder.step(torch.tensor([3]), torch.tensor([other]))  # the other sequence goes on
+    decoder.release(slot)
+    again, _ = decoder.add(torch.tensor([1]))
+    decoder.step(torch.tensor([2]), torch.tensor([again]))
+
+
+def test_step_arguments_are_checked_before_anything_changes():
+    lm = model(torch.float32).cpu()
+    decoder = ServingDecoder(lm, max_seqs=3, max_len=8, cuda_graph=False)
+    slot, _ = decoder.add(torch.tensor([1, 2]))
+    before = pools_snapshot(decoder)
+    bad = [
+        (torch.tensor([1, 2]), torch.tensor([slot, slot]), f"slot {slot} is listed twice"),
+        (torch.tensor([1]), torch.tensor([2]), "slot 2 is not in use"),
+        (torch.tensor([1]), torch.tensor([3]), "slot 3 is not in use"),  # the scratch row
+        (
+            torch.tensor([CONFIG.vocab_size]),
+            torch.tensor([slot]),
+            r"tokens must lie in \[0, vocab_size = 40\)",
+        ),
+        (torch.tensor([1]), torch.tensor([slot], dtype=torch.int32), r"slots must be an int64 tensor \[B\]"),
+        (torch.tensor([[1]]), torch.tensor([slot]), r"tokens must be an int64 tensor \[B\]"),
+        (torch.tensor([1, 2]), torch.tensor([slot]), "must both have length B"),
+    ]
+    for tokens, slots, words in bad:
+        with pytest.raises(ValueError, match=words):
+            decoder.step(tokens, slots)
+    assert all(torch.equal(a, b) for a, b in zip(before, pools_snapshot(decoder), strict=True))

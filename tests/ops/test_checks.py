@@ -173,3 +173,35 @@ def test_bad_chunk_size(chunk_size, error):
     x = make_inputs(1, 2, 1, 1, 4, 4)
     with pytest.raises(error, match="chunk_size"):
         kda_chunked(**x, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize(
+    "dtype, bad, shown",
+    [
+        (torch.float32, 1.0000001, "1.0000001]"),
+        (torch.float32, -1e-8, "[-1e-08,"),
+        (torch.float64, 1 + 2**-52, "1.0000000000000002]"),
+        (torch.bfloat16, 1.0078125, "1.0078125]"),
+    ],
+)
+def test_beta_message_shows_the_value_that_breaks_the_range(dtype, bad, shown):
+    """`:.4g` printed the float32 just above 1 as 1 ("got values in [0.2, 1]"): the message must show it."""
+    x = make_inputs(B, 3, H, HV, K, V, dtype=torch.float32)
+    beta = x["beta"].to(dtype).clamp(0.25, 0.75)
+    beta[0, 1, 2] = bad
+    x["beta"] = beta
+    with pytest.raises(ValueError, match="must lie in") as info:
+        check_kda_inputs(x["q"].to(dtype), x["k"].to(dtype), x["v"].to(dtype), x["g"], beta)
+    assert shown in str(info.value)
+
+
+def test_value_checks_run_on_the_cpu_and_elsewhere_only_in_debug_mode(monkeypatch):
+    from kda_edu.ops._checks import value_checks_enabled
+
+    monkeypatch.delenv("KDA_EDU_DEBUG", raising=False)
+    assert value_checks_enabled(torch.device("cpu"))
+    assert not value_checks_enabled(torch.device("meta"))  # stands for a GPU: a check would synchronise
+    monkeypatch.setenv("KDA_EDU_DEBUG", "1")
+    assert value_checks_enabled(torch.device("meta"))
+    monkeypatch.setenv("KDA_EDU_DEBUG", "0")
+    assert not value_checks_enabled(torch.device("meta"))

@@ -80,6 +80,30 @@ def test_l2_normalize():
     assert l2_normalize(x.half()).dtype == torch.float16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("norm", [1e20, 1e30, 1e38, 1e300, 1e-20, 1e-38])
+def test_l2_normalize_of_huge_and_tiny_vectors(norm, dtype):
+    """A norm past ~1.8e19 used to overflow the float32 sum of squares, and rsqrt(inf) = 0 gave a zero
+    vector (NaN at 1e38). Huge vectors come out of unit length; tiny ones are x / sqrt(|x|^2 + eps)."""
+    direction = torch.tensor([3.0, 0.0, -4.0, 0.0], dtype=torch.float64) / 5
+    x = (direction * norm).to(dtype)
+    if not torch.isfinite(x).all() or not (x != 0).any():
+        pytest.skip(f"{norm} is outside {dtype}'s range")
+    peak = x.double().abs().max()  # the reference scales too: 1e300 ** 2 overflows float64
+    want = (x.double() / peak) / torch.sqrt(((x.double() / peak) ** 2).sum() + 1e-6 / peak**2)
+    y = l2_normalize(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
+def test_l2_normalize_of_ordinary_vectors_is_the_plain_formula_bit_for_bit():
+    """The rescaling by a power of two changes no rounding: x * rsqrt(sum(x^2) + eps), exactly."""
+    gen = torch.Generator().manual_seed(0)
+    for scale in (1e-12, 1e-3, 1.0, 7.0, 1e6, 1e15):
+        x = scale * torch.randn(3, 5, 2, 16, generator=gen)
+        assert torch.equal(l2_normalize(x), x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6))
+
+
 BAD = {
     "x_not_a_tensor": (lambda x, a, d: ([1.0], a, d), TypeError, "x must be a torch.Tensor of shape"),
     "x_rank_2": (lambda x, a, d: (x[0, 0], a, d), ValueError, "x must have rank 4 ([B, T, HV, K])"),

@@ -195,3 +195,115 @@ def test_sweep_skips_cells_and_refuses_a_graph_preset_on_the_cpu(tmp_path, monke
     with pytest.raises(ValueError, match="needs a CUDA device"):
         run_sweep("tiny_graph", tmp_path / "graph.json", workers=1, device="cpu")
     assert not (tmp_path / "graph.json").exists()
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A checkpoint after 5 steps, its tensors and its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = tmp_path_factory.mktemp("run") / "run.safetensors"
+    train(TASK, MODEL, CONFIG, checkpoint=path, stop_after=5, progress=False)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    return path, load_file(str(path)), metadata
+
+
+def _spoil(name, value):
+    def change(tensors, metadata):
+        tensors[name].view(-1)[0] = value
+
+    return change
+
+
+BAD_CHECKPOINTS = {
+    # each was measured failing later, elsewhere: KeyError: 'exp_avg_sq'; "The size of tensor a (3) must match
+    # the size of tensor b (32)"; ZeroDivisionError: float division by zero; the gate check's "beta ... got
+    # values in [nan, nan]"; KeyError: 'history'; RuntimeError: Error(s) in loading state_dict
+    "missing_exp_avg_sq": (
+        lambda t, m: t.pop("optim.0.exp_avg_sq"),
+        r"parameter 0 lacks optim\.0\.exp_avg_sq \(each parameter with a state needs \['exp_avg', 'exp_avg_sq', 'step'\]\)",
+    ),
+    "exp_avg_wrong_shape": (
+        lambda t, m: t.update({"optim.0.exp_avg": torch.zeros(3)}),
+        r"optim\.0\.exp_avg must be a floating tensor of its parameter's shape \[9, 32\], got \[3\]",
+    ),
+    "step_negative": (
+        lambda t, m: t.update({"optim.0.step": torch.tensor(-1.0)}),
+        r"optim\.0\.step must be one whole number in \[1, 5\] .* got -1\.0",
+    ),
+    "step_past_the_checkpoint": (
+        lambda t, m: t.update({"optim.2.step": torch.tensor(6.0)}),
+        r"optim\.2\.step must be one whole number in \[1, 5\]",
+    ),
+    "step_fraction": (
+        lambda t, m: t.update({"optim.2.step": torch.tensor(2.5)}),
+        r"optim\.2\.step .* got 2\.5",
+    ),
+    "nan_moment": (_spoil("optim.1.exp_avg", float("nan")), r"optim\.1\.exp_avg holds NaN or inf \(1 of "),
+    "inf_second_moment": (
+        _spoil("optim.1.exp_avg_sq", float("inf")),
+        r"optim\.1\.exp_avg_sq holds NaN or inf",
+    ),
+    "negative_second_moment": (
+        _spoil("optim.1.exp_avg_sq", -1.0),
+        r"optim\.1\.exp_avg_sq \(a second moment\) must be >= 0, got min -1\.0",
+    ),
+    "unknown_optimizer_key": (
+        lambda t, m: t.update({"optim.0.momentum_buffer": torch.zeros(1)}),
+        r"unexpected optimizer tensor 'optim\.0\.momentum_buffer'",
+    ),
+    "parameter_index_out_of_range": (
+        lambda t, m: t.update({"optim.99.step": torch.tensor(1.0)}),
+        r"unexpected optimizer tensor 'optim\.99\.step'; expected optim\.<i>\.<key> with i a parameter index",
+    ),
+    "missing_model_tensor": (
+        lambda t, m: t.pop("model.blocks.0.ffn.down_proj.weight"),
+        r"does not match the model; missing tensors: model\.blocks\.0\.ffn\.down_proj\.weight",
+    ),
+    "nan_model_weight": (
+        _spoil("model.blocks.0.ffn.down_proj.weight", float("nan")),
+        r"holds NaN or inf values in tensors: model\.blocks\.0\.ffn\.down_proj\.weight \(1 of ",
+    ),
+    "no_history": (lambda t, m: m.pop("history"), "has no valid JSON metadata 'history'"),
+    "step_not_a_number": (lambda t, m: m.update(step="five"), "has no valid JSON metadata 'step'"),
+    "step_out_of_range": (lambda t, m: m.update(step="-1"), r"metadata 'step' must be an int in \[0, 20\]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CHECKPOINTS, ids=list(BAD_CHECKPOINTS))
+def test_resuming_from_a_bad_checkpoint_names_the_file_and_the_tensor(saved_run, tmp_path, case):
+    """Every defect is a CheckpointError (a ValueError) naming the file and what was expected, raised before
+    the model or the optimizer is touched."""
+    from safetensors.torch import save_file
+
+    from kda_edu.models.checkpoint import CheckpointError
+    from kda_edu.training.train import build_model, load_training_checkpoint
+
+    _, tensors, metadata = saved_run
+    tensors, metadata = {k: v.clone() for k, v in tensors.items()}, dict(metadata)
+    change, message = BAD_CHECKPOINTS[case]
+    change(tensors, metadata)
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(CheckpointError, match=message) as info:
+        train(TASK, MODEL, CONFIG, checkpoint=path, resume=True, stop_after=6, progress=False)
+    assert str(path) in str(info.value)
+    model = build_model(MODEL, 0)
+    optimizer = make_optimizer(model, CONFIG)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError):
+        load_training_checkpoint(path, model, optimizer, TASK, MODEL, CONFIG)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optimizer.state
+
+
+def test_a_truncated_training_checkpoint_is_a_value_error_naming_the_file(saved_run, tmp_path):
+    """It used to raise safetensors' own SafetensorError ("incomplete metadata, file not fully covered"),
+    which names no file and is not the ValueError the docstring promises."""
+    data = saved_run[0].read_bytes()
+    for size in (len(data) // 2, 7):
+        path = tmp_path / f"cut{size}.safetensors"
+        path.write_bytes(data[:size])
+        with pytest.raises(ValueError, match=f"{path} is not a complete safetensors file"):
+            train(TASK, MODEL, CONFIG, checkpoint=path, resume=True, progress=False)

@@ -29,7 +29,8 @@ from datetime import UTC, datetime
 import torch
 
 from kda_edu.chapters.ch12_recall_sweep import PRESETS
-from kda_edu.layers.mixers import MixerConfig, RecallConfig
+from kda_edu.layers.mixers import MixerConfig
+from kda_edu.models.recall import RecallConfig
 from kda_edu.training.tasks import MQAR, task_to_dict
 from kda_edu.training.train import TrainConfig, train
 

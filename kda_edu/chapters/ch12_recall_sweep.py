@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from kda_edu.layers.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, RecallConfig, TokenMixer
+from kda_edu.layers.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, TokenMixer
+from kda_edu.models.recall import RecallConfig
 from kda_edu.training.tasks import make_task, task_to_dict
 from kda_edu.training.train import EVAL_BATCH, GATE_PARAMETERS, TrainConfig, train
 

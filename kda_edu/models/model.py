@@ -186,7 +186,7 @@ class Block(nn.Module):
     """Pre-norm residual block: `x + mixer(RMSNorm(x))`, then `x + ffn(RMSNorm(x))`.
 
     The block of every model here: `HybridLM` (a `KDALayer` or an `MLA` mixer) and
-    `kda_edu.layers.mixers.RecallLM` (a `TokenMixer`).
+    `kda_edu.models.recall.RecallLM` (a `TokenMixer`).
 
     Args:
         d_model: D.
@@ -285,22 +285,6 @@ class HybridLM(nn.Module):
                     writers.append(ffn.shared_expert.down_proj)
             for linear in writers:
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
-
-    def save_pretrained(self, directory) -> None:
-        """Write `config.json` and `model.safetensors` into `directory` (created if needed);
-        `kda_edu.models.checkpoint.save_pretrained`."""
-        from kda_edu.models.checkpoint import (
-            save_pretrained,  # imported on use: checkpoint imports this module
-        )
-
-        save_pretrained(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory, device="cpu") -> "HybridLM":
-        """The model saved by `save_pretrained` in `directory`; `kda_edu.models.checkpoint.from_pretrained`."""
-        from kda_edu.models.checkpoint import from_pretrained
-
-        return from_pretrained(directory, device)
 
     def num_parameters(self) -> int:
         """Number of trainable numbers (a tied embedding counted once)."""

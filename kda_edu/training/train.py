@@ -45,8 +45,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kda_edu.layers.kda_layer import GATE_PARAMETERS  # make_optimizer reads it from this module
-from kda_edu.layers.mixers import DELTA_RULE_KINDS, RecallConfig, RecallLM
+from kda_edu.layers.mixers import DELTA_RULE_KINDS
 from kda_edu.models.checkpoint import CheckpointError, atomic_write, check_tensors
+from kda_edu.models.recall import RecallConfig, RecallLM
 from kda_edu.training.tasks import TaskBatch, task_to_dict
 
 FORMAT = "kda_edu.training.train"

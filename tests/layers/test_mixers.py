@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from kda_edu.layers.mixers import KINDS, MixerConfig, RecallConfig, RecallLM, TokenMixer
+from kda_edu.layers.mixers import KINDS, MixerConfig, TokenMixer
+from kda_edu.models.recall import RecallConfig, RecallLM
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend's kernels run
 # The two backends in float32: 1e-5 under the interpreter (exact float32 products, as the other interpreter

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kda_edu.device import DEVICE
-from kda_edu.layers.mixers import MixerConfig, RecallConfig, RecallLM
+from kda_edu.layers.mixers import MixerConfig
+from kda_edu.models.recall import RecallConfig, RecallLM
 from kda_edu.training.probes import gate_gradient_probe
 from kda_edu.training.tasks import MQAR
 

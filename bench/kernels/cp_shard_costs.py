@@ -6,7 +6,7 @@ inputs), this times with `triton.testing.do_bench` (median):
 
 - `shard_fwd_ms`: `chunk_kda` on the shard from a given initial state, with its final state (what every
   scheme runs once per rank);
-- `map_ms`: `kda_edu.ops.context_parallel.shard_map` on the shard, the extra pass of the scan scheme that gives
+- `map_ms`: `kda_edu.parallel.context_parallel.shard_map` on the shard, the extra pass of the scan scheme that gives
   `(M, B)` (one kernel call with V + K = 256 value columns);
 - `combine_ms`: `fold_maps` over n maps, what the last rank does after the all-gather (n - 1 products of
   K x K by K x V per head).
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_edu.kernels import chunk_kda
-from kda_edu.ops.context_parallel import fold_maps, shard_layout, shard_map
+from kda_edu.parallel.context_parallel import fold_maps, shard_layout, shard_map
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

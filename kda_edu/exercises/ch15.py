@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kda_edu.exercises import WrongAnswer, expect, passed
-from kda_edu.ops.context_parallel import reference_kernel, shard_layout, shard_map
 from kda_edu.ops.kda import kda_recurrent
+from kda_edu.parallel.context_parallel import reference_kernel, shard_layout, shard_map
 
 
 def _call(fn, *args):

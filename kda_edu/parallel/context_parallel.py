@@ -23,11 +23,6 @@ The communication uses `torch.distributed` only (send / recv, all_gather), on te
 gloo on CPU tensors, NCCL on CUDA tensors.
 """
 
-import io
-import os
-import socket
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +61,7 @@ def reference_kernel(
     return torch.cat(outs, dim=1), torch.cat(finals) if output_final_state else None
 
 
-def _default_kernel():
+def default_kernel():
     from kda_edu.kernels import chunk_kda  # imported here: `import kda_edu` never imports Triton
 
     return chunk_kda
@@ -388,182 +383,6 @@ def context_parallel_kda(
     rank = dist.get_rank(group)
     layout = shard_layout(lengths, rank, B, cu)
     o, final = ContextParallelKDA.apply(
-        q, k, v, g, beta, initial_state, scale, layout, kernel or _default_kernel(), scheme, group
+        q, k, v, g, beta, initial_state, scale, layout, kernel or default_kernel(), scheme, group
     )
     return o, final if output_final_state else None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A model of prefill time against the number of ranks
-
-
-def boundary_bytes(scheme: str, H: int, K: int, V: int, bytes_per_number: int = 4) -> int:
-    """Bytes one rank contributes per boundary in the forward: its outgoing state (`"sequential"`, K x V per
-    head) or its map (`"scan"`, K x K + K x V per head), float32 by default."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    return H * K * (V if scheme == "sequential" else K + V) * bytes_per_number
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link between ranks for the model: bytes per second in one direction, seconds per message."""
-
-    name: str
-    bandwidth: float
-    latency: float
-
-
-def prefill_seconds(
-    scheme: str,
-    n: int,
-    shard_s: float,
-    map_s: float,
-    combine_s: float,
-    link: Link,
-    H: int,
-    K: int,
-    V: int,
-    layers: int = 1,
-) -> dict:
-    """Modelled forward time of `layers` KDA layers over n ranks, split into compute and communication.
-
-    `shard_s`, `map_s` and `combine_s` are the times of one rank at T / n tokens (measured or assumed); a
-    message of m bytes costs `latency + m / bandwidth`.
-
-    - scan: per layer, every rank at once computes its map (`map_s`), takes part in a ring all-gather of the
-      n maps (n - 1 steps, one map per step), folds them (`combine_s`) and runs its shard (`shard_s`).
-    - sequential: rank r runs layer l as soon as rank r - 1 has sent its state of layer l (a wavefront).
-      The last rank finishes after `layers + n - 1` shard passes and `layers + n - 2` messages; for one
-      layer that is n passes, one rank after the other.
-
-    Returns `{"compute": s, "communication": s, "total": s}`.
-    """
-    message = boundary_bytes(scheme, H, K, V)
-    hop = link.latency + message / link.bandwidth
-    if scheme == "sequential":
-        compute, comm = (layers + n - 1) * shard_s, (layers + n - 2) * hop
-    else:
-        compute, comm = layers * (map_s + combine_s + shard_s), layers * (n - 1) * hop
-    return {"compute": compute, "communication": comm, "total": compute + comm}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Running gloo processes on one machine (tests, the book)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        queue.put((rank, buffer.getvalue(), None))
-    except Exception:  # the parent re-raises it with the traceback
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_gloo(fn, world: int, *args, timeout: float = 300.0) -> list:
-    """Run `fn(rank, world, *args)` in `world` fresh processes joined by a gloo group; return their results.
-
-    `fn` must be importable by name (a function of a module, not of a notebook), as `torch.multiprocessing`
-    spawn starts new interpreters. Each process uses one thread. The results travel back through `torch.save`.
-    """
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, data, error = queue.get(timeout=timeout)
-            if error is not None:
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{error}")
-            results[rank] = torch.load(io.BytesIO(data), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"a gloo process failed (exit codes {[p.exitcode for p in procs]})")
-    return [results[r] for r in range(world)]
-
-
-def shard_case(rank: int, world: int, case: dict) -> dict:
-    """One rank's part of a context-parallel run (for `run_gloo`): slice the shard, run, backpropagate.
-
-    `case` holds the whole inputs (`q, k, v, g, beta`, optional `initial_state`, `cu_seqlens`), `lengths`
-    (tokens per rank), `scheme`, `kernel` (`"reference"` or `"chunk_kda"`), and optionally `do` and `dfinal`
-    (then the result has the gradients of `<o, do> + <final, dfinal>`) and `repeats` (then it has the median
-    wall time of that many forward calls, after one warm-up, in `seconds`).
-    """
-    a = sum(case["lengths"][:rank])
-    b = a + case["lengths"][rank]
-    names = ("q", "k", "v", "g", "beta")
-    shard = {n: case[n][:, a:b].clone().requires_grad_("do" in case) for n in names}
-    h0 = case.get("initial_state")
-    if h0 is not None:
-        h0 = h0.clone().requires_grad_("do" in case)
-    kernel = reference_kernel if case["kernel"] == "reference" else _default_kernel()
-    run = lambda: context_parallel_kda(  # noqa: E731
-        *(shard[n] for n in names), initial_state=h0, output_final_state=True,
-        cu_seqlens=case.get("cu_seqlens"), scheme=case["scheme"], kernel=kernel,
-    )  # fmt: skip
-    out = {}
-    if case.get("repeats"):
-        with torch.no_grad():
-            run()
-            times = []
-            for _ in range(case["repeats"]):
-                dist.barrier()
-                start = time.perf_counter()
-                run()
-                dist.barrier()
-                times.append(time.perf_counter() - start)
-        out["seconds"] = sorted(times)[len(times) // 2]
-    o, final = run()
-    out.update(o=o.detach(), final=final.detach())
-    if "do" in case:
-        loss = (o * case["do"][:, a:b]).sum() + (final * case["dfinal"]).sum()
-        loss.backward()
-        out["grads"] = {n: shard[n].grad for n in names}
-        if h0 is not None:
-            out["grads"]["initial_state"] = h0.grad
-    return out
-
-
-def gather_case(results: list[dict]) -> dict:
-    """Put the ranks' results of `shard_case` back together: outputs and per-token gradients concatenated
-    along T, final states and initial-state gradients summed over the ranks (each holds its own rows)."""
-    whole = {
-        "o": torch.cat([r["o"] for r in results], dim=1),
-        "final": sum(r["final"] for r in results),
-    }
-    if "grads" in results[0]:
-        whole["grads"] = {
-            n: sum(r["grads"][n] for r in results) if n == "initial_state"
-            else torch.cat([r["grads"][n] for r in results], dim=1)
-            for n in results[0]["grads"]
-        }  # fmt: skip
-    if "seconds" in results[0]:
-        whole["seconds"] = max(r["seconds"] for r in results)
-    return whole
-
-
-def shard_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """`shard_case` for several cases in one set of processes (starting processes costs seconds)."""
-    return [shard_case(rank, world, case) for case in cases]

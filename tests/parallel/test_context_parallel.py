@@ -14,16 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_edu.ops.context_parallel import (
-    context_parallel_kda,
-    gather_case,
-    reference_kernel,
-    run_gloo,
-    shard_cases,
-    shard_layout,
-    shard_map,
-)
+from kda_edu.chapters.ch15_context_parallel import gather_case, run_gloo, shard_cases
 from kda_edu.ops.kda import kda_recurrent
+from kda_edu.parallel.context_parallel import context_parallel_kda, reference_kernel, shard_layout, shard_map
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

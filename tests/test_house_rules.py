@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 COVERED = [
     "book/intro.md",
     "book/01_attention.md",
+    "book/02_linear_attention.md",
     "book/03_delta_rule.md",
+    "book/04_gated_delta.md",
+    "book/05_kda.md",
+    "book/06_chunkwise.md",
 ]
 
 HIDDEN_TAGS = {"hide-input", "remove-input", "remove-cell"}

@@ -231,6 +231,25 @@ def rotate_keys(task: TwoTimescaleTask, seed: int = 1) -> TwoTimescaleTask:
     return TwoTimescaleTask(task.k @ R.T, task.v, task.queries @ R.T, task.targets, task.n_facts, task.half)
 
 
+def mix_halves(task: TwoTimescaleTask, angle: float) -> TwoTimescaleTask:
+    """The same episodes with every key and query leaning `angle` radians into the other half.
+
+    Channel i of the slow half and channel i of the fast half are rotated by `angle` in their plane: a fact's
+    key keeps `cos(angle)` of its length on the slow half and moves `sin(angle)` onto the fast half (and a
+    stream key the other way). Overlaps between keys and queries do not change, so one scalar-gated head gives
+    the same errors at every angle; a per-channel decay now decays part of every fact with the fast half. At
+    `angle = 0` the episodes are unchanged; at `pi / 4` each key is spread evenly over both halves.
+    """
+    K = task.k.shape[-1]
+    half = K // 2
+    c, s = math.cos(angle), math.sin(angle)
+    R = torch.eye(K, dtype=torch.float64)
+    i = torch.arange(half)
+    R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, -s, s, c
+    R = R.to(task.k)
+    return TwoTimescaleTask(task.k @ R.T, task.v, task.queries @ R.T, task.targets, task.n_facts, task.half)
+
+
 def gdn_heads_errors(task: TwoTimescaleTask, head_gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet with H heads and KDA's state size, scored like `retrieval_errors`.
 

@@ -122,7 +122,8 @@ def solution_attention_in_blocks(
 
 def check_attention_in_blocks(fn) -> str:
     """Exercise 3: `fn(q, k, v, block)` must equal causal softmax attention for every block size, including
-    scores too large for a plain `exp`."""
+    scores too large for a plain `exp`, and hold less than a quarter of a `[T, T]` score matrix at its peak
+    (measured with `LiveTensorBytes` at T = 512, block = 16)."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(13, 8, generator=g, dtype=torch.float64) for _ in range(3))
     out = fn(q, k, v, 4)
@@ -145,7 +146,21 @@ def check_attention_in_blocks(fn) -> str:
             f"{(out - right).abs().max():.2g}. When a block raises a query's maximum, rescale its running sum "
             "and its accumulated values by exp(old max - new max).",
         )
-    return passed("Attention one block at a time equals the full softmax: FlashAttention's recurrence.")
+    # The constraint the exercise states: at most [T, block] scores at once, measured as the peak of live tensors.
+    T, block = 512, 16
+    q, k, v = (torch.randn(T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    with LiveTensorBytes() as memory:
+        fn(q, k, v, block)
+    quarter = T * T * 8 // 4  # a quarter of one [T, T] float64 score matrix
+    expect(
+        memory.peak < quarter,
+        f"right outputs, but at T = {T}, block = {block} your function held {memory.peak} bytes at its peak, "
+        f"more than a quarter of one [T, T] score matrix ({quarter}): keep only [T, block] scores at a time.",
+    )
+    return passed(
+        f"equal to the full softmax, peak {memory.peak} bytes at T = {T} (a [T, T] matrix is {4 * quarter}): "
+        "FlashAttention's recurrence."
+    )
 
 
 # Exercise 4: decoding into a preallocated cache.

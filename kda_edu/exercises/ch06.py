@@ -5,8 +5,11 @@ of transitions, a triangular solve or a sequential loop; each `solution_*` is th
 shows.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kda_edu.exercises import WrongAnswer, expect, passed
 from kda_edu.ops.chunkwise import parallel_scan, transition_product
@@ -23,6 +26,31 @@ def _tensor(fn, shape, *args) -> torch.Tensor:
         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}",
     )
     return out
+
+
+class _Operations(TorchDispatchMode):
+    """Inside `with _Operations() as ops:`, record every operation PyTorch runs: `ops.names` (e.g. "mm") and,
+    for every matrix product, the shape of its result (`ops.products`)."""
+
+    PRODUCTS = {"mm", "bmm", "mv", "addmm", "matmul", "dot", "baddbmm", "addmv"}
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.products = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.names.append(name)
+        if name in self.PRODUCTS:
+            self.products.append(tuple(out.shape))
+        return out
+
+
+def _solver_used(ops: _Operations) -> str | None:
+    """The name of a linear-algebra routine (inverse, solve, factorisation) among the recorded operations."""
+    banned = ("linalg_", "inverse", "triangular_solve", "cholesky", "lu_unpack", "_lu_with_info", "_solve")
+    return next((n for n in ops.names if n.startswith(banned) or any(b in n for b in banned[1:])), None)
 
 
 def _keys(n: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +122,8 @@ def check_unit_lower_inverse(inverse) -> str:
     for C in (2, 3, 16, 33, 64):
         k, beta = _keys(C, 16, gen)
         A = (beta[:, None] * (k @ k.T)).tril(-1)
-        got = _tensor(inverse, (C, C), A.clone())
+        with _Operations() as ops:
+            got = _tensor(inverse, (C, C), A.clone())
         eye = torch.eye(C, dtype=A.dtype)
         expected = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
         error = (got - expected).abs().max().item()
@@ -102,6 +131,14 @@ def check_unit_lower_inverse(inverse) -> str:
             error < 1e-9,
             f"for C = {C}, your inverse is off by up to {error:.3g}. Hint: (I + A)^-1 = I - A + A^2 - ..., "
             "and the series stops because A^C = 0. Group the terms as (I - A)(I + A^2)(I + A^4)...",
+        )
+        solver = _solver_used(ops)
+        expect(solver is None, f"right inverse, but through {solver}: build it from matrix products only.")
+        rounds = math.ceil(math.log2(C))
+        expect(
+            len(ops.products) <= 2 * rounds + 2 and len(ops.names) <= 10 * rounds + 20,
+            f"right inverse, but for C = {C} it took {len(ops.products)} matrix products and {len(ops.names)} "
+            f"operations; about log2(C) = {rounds} rounds of two products each are enough.",
         )
     return passed("log2(C) squarings invert a C x C unit lower-triangular matrix: no row-by-row loop.")
 
@@ -168,7 +205,8 @@ def check_block_inverse(inverse) -> str:
     for C, block in ((16, 16), (64, 16), (48, 16), (64, 8), (40, 16)):
         k, beta = _keys(C, 16, gen)
         A = (beta[:, None] * (k @ k.T)).tril(-1)
-        got = _tensor(inverse, (C, C), A.clone(), block)
+        with _Operations() as ops:
+            got = _tensor(inverse, (C, C), A.clone(), block)
         eye = torch.eye(C, dtype=A.dtype)
         expected = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
         error = (got - expected).abs().max().item()
@@ -177,6 +215,16 @@ def check_block_inverse(inverse) -> str:
             f"for C = {C} and blocks of {block}, your inverse is off by up to {error:.3g}. Hint: inverting only "
             "the diagonal blocks is not enough; block row a also needs the block rows above it, "
             "X_a = (I + A_aa)^-1 (E_a - A_a,<a X_<a).",
+        )
+        solver = _solver_used(ops)
+        expect(
+            solver is None, f"right inverse, but through {solver}: invert the diagonal blocks by products."
+        )
+        tall = [shape for shape in ops.products if shape and shape[0] > block]
+        expect(
+            not tall,
+            f"right inverse, but a matrix product made {tall[0][0] if tall else 0} rows at once; work one block "
+            f"row of {block} rows at a time, inverting only the {block} x {block} diagonal blocks.",
         )
     return passed(
         "Only the diagonal blocks are inverted; the rest is matrix products, block row by block row."

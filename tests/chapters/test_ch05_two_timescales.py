@@ -35,3 +35,16 @@ def test_learned_memory_trains_and_reports():
         and len(r["loss"]) == 3
     )
     assert all(g <= 0 for g in r["gates"])
+
+
+def test_mix_halves_keeps_overlaps_and_spreads_keys_over_both_halves():
+    task = tt.make_task(**SMALL, seed=5)
+    assert tt.mix_halves(task, 0.0).k.equal(task.k)
+    mixed = tt.mix_halves(task, 0.3)
+    gram = lambda t: torch.einsum("btk,bsk->bts", t.k[:, :, 0], t.k[:, :, 0])  # noqa: E731
+    torch.testing.assert_close(gram(mixed), gram(task), rtol=0, atol=1e-5)
+    fact_on_fast = mixed.k[:, : task.n_facts, 0, task.half :].norm(dim=-1)
+    torch.testing.assert_close(fact_on_fast, torch.full_like(fact_on_fast, torch.tensor(0.3).sin().item()))
+    # The split gate (slow half kept, fast half decayed) loses facts once they lean into the fast half.
+    split = tt.channel_gates(torch.tensor([0.0]), torch.tensor([-1.0]), task.half)
+    assert tt.retrieval_errors(mixed, split)[0] > tt.retrieval_errors(task, split)[0] + 0.02

@@ -64,6 +64,13 @@ def _blocks_without_rescale(q, k, v, block):
     return acc / total
 
 
+def _blocks_by_full_softmax(q, k, v, block):
+    # the shortcut the exercise forbids: right outputs through the whole [T, T] score matrix
+    T, d = q.shape
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return ((q @ k.T) / d**0.5).masked_fill(~causal, float("-inf")).softmax(-1) @ v
+
+
 def _blocks_plain_exp(q, k, v, block):
     mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
     p = torch.exp(q @ k.T / q.shape[1] ** 0.5).masked_fill(~mask, 0)
@@ -88,6 +95,7 @@ def _no_scale(q, k, v):
         (ch01.check_attention_one_head, _no_scale),
         (ch01.check_attention_in_blocks, _blocks_without_rescale),
         (ch01.check_attention_in_blocks, _blocks_plain_exp),  # overflows at large scores
+        (ch01.check_attention_in_blocks, _blocks_by_full_softmax),  # right outputs, a [T, T] score matrix
         (ch01.check_decode_step, _decode_reads_whole_cache),
         (ch01.check_decode_step, _decode_own_copy),
     ],

@@ -40,3 +40,50 @@ def test_bad_return_values_are_named():
         ch06.check_wy(lambda k, beta: k.T)
     with pytest.raises(WrongAnswer, match="raised"):
         ch06.check_unit_lower_inverse(lambda A: A @ torch.ones(3))
+
+
+def _eye_plus(A):
+    return torch.eye(A.shape[0], dtype=A.dtype) + A
+
+
+def _row_by_row(A):
+    # forward substitution: right, but one product per row
+    X = torch.eye(A.shape[0], dtype=A.dtype)
+    for i in range(A.shape[0]):
+        X[i] = X[i] - A[i, :i] @ X[:i]
+    return X
+
+
+@pytest.mark.parametrize(
+    "shortcut, message",
+    [
+        (lambda A: torch.linalg.inv(_eye_plus(A)), "through linalg_inv"),
+        (
+            lambda A: torch.linalg.solve_triangular(
+                _eye_plus(A), torch.eye(A.shape[0], dtype=A.dtype), upper=False
+            ),
+            "through linalg_solve_triangular",
+        ),
+        (_row_by_row, "matrix products"),
+    ],
+    ids=["inv", "solve_triangular", "row_by_row"],
+)
+def test_squaring_exercise_rejects_the_shortcuts(shortcut, message):
+    with pytest.raises(WrongAnswer, match=message):
+        ch06.check_unit_lower_inverse(shortcut)
+
+
+@pytest.mark.parametrize(
+    "shortcut, message",
+    [
+        (lambda A, block: torch.linalg.inv(_eye_plus(A)), "through linalg_inv"),
+        (
+            lambda A, block: ch06.solution_unit_lower_inverse(A),
+            "rows at once",
+        ),  # the whole matrix by squaring
+    ],
+    ids=["inv", "whole_matrix"],
+)
+def test_block_exercise_rejects_the_shortcuts(shortcut, message):
+    with pytest.raises(WrongAnswer, match=message):
+        ch06.check_block_inverse(shortcut)

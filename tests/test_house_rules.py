@@ -1,12 +1,16 @@
 """The house rules for what a reader reads (CONTRIBUTING.md, "House rules").
 
 The prose teaches: no build hashes, session or issue numbers, "previous/current build", pointers to
-bench/NOTES.md or result-file names in chapter text. Only a code cell whose input is collapsed or
-removed (tags hide-input, remove-input, remove-cell) may name the file it reads. The test covers the
-pages in COVERED; the other chapters join the list as they are brought under the rules.
+bench/NOTES.md or result-file names in chapter text, the README or the package's docstrings and comments.
+Only a code cell whose input is collapsed or removed (tags hide-input, remove-input, remove-cell) may name
+the file it reads. The test covers the pages in COVERED and every module of `kda_edu`; the other chapters
+join the list as they are brought under the rules.
 """
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 COVERED = [
+    "README.md",
     "book/intro.md",
     "book/01_attention.md",
     "book/02_linear_attention.md",
@@ -151,3 +156,61 @@ def test_exercise_feedback_is_one_line(capsys):
     except WrongAnswer as error:
         _wrong_answer_in_one_line(Shell(), WrongAnswer, error, error.__traceback__)
     assert len(shown) == 1 and len(shown[0]) == 1 and shown[0][0].startswith("Not yet: "), shown
+
+
+# In the package a file may be named (config.json is a checkpoint's part, not a measurement); a committed
+# result is not.
+PACKAGE_PROVENANCE = {**PROVENANCE, "result file": re.compile(r"bench/results/[\w./-]+")}
+
+
+def docstrings_and_comments(source: str) -> list[tuple[int, str]]:
+    """The (line number, text) pairs of a module's docstrings (module, classes, functions) and comments."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = node.body[0] if node.body else None
+            if (
+                isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
+                out += [(doc.lineno + i, line) for i, line in enumerate(doc.value.value.splitlines())]
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            out.append((token.start[0], token.string))
+    return out
+
+
+def package_provenance(source: str) -> list[str]:
+    return [
+        f"line {n}: {kind}: {m.group(0)!r}"
+        for n, line in docstrings_and_comments(source)
+        for kind, pattern in PACKAGE_PROVENANCE.items()
+        for m in pattern.finditer(line)
+    ]
+
+
+@pytest.mark.parametrize("module", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kda_edu").rglob("*.py")))
+def test_no_provenance_in_the_package(module):
+    found = package_provenance((ROOT / module).read_text())
+    assert not found, f"{module}: " + "; ".join(found)
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        'def f():\n    """Faster since session 15."""\n',
+        "x = 1  # measured at build 4de5d89\n",
+        '"""Timings in bench/results/h200_forward.json."""\n',
+        "# see bench/NOTES.md\n",
+    ],
+)
+def test_package_detector_fails_on_planted_provenance(planted):
+    assert package_provenance(planted)
+
+
+def test_package_detector_reads_only_docstrings_and_comments():
+    assert (
+        package_provenance('name = "session 12"\nload("bench/results/a.json")\n"""config.json beside it"""\n')
+        == []
+    )

@@ -21,7 +21,7 @@
 - `design_traffic` and `design_flops` count what the four kernels move and compute per token and head;
   `gram_block_flops` counts the useful part of the gram kernel's products (the ten blocks on and below the
   diagonal).
-- `crossover`, `plot_times` and `plot_rates` draw bench/results/h200_forward.json (read with
+- `crossover`, `plot_times` and `plot_rates` draw a committed forward benchmark (read with
   `kda_edu.book.bench_result`).
 - `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor by registers;
   `fixed_cost_lengths` finds where a sweep's time stops growing with T (a fixed cost per call dominates).
@@ -493,7 +493,7 @@ def block_inverse(L: torch.Tensor, block: int = SUB) -> torch.Tensor:
 def block_forward_substitution(L: torch.Tensor, B: torch.Tensor, block: int = SUB) -> torch.Tensor:
     """`(I + L)^-1 B` for strictly lower-triangular L `[..., C, C]` and B `[..., C, n]`, 16 rows at a time.
 
-    (The single prepare kernel of the previous build solved for w and u this way; with B = I it gives X.)
+    (A single prepare kernel can solve for w and u this way; with B = I it gives X.)
 
     The rows are taken `block` at a time (block a = rows a*block .. a*block + block - 1): with X_a the inverse
     of the diagonal block I + L_aa (`diagonal_block_inverse`),

@@ -285,7 +285,7 @@ DECODE_BARS = {
 
 
 def plot_decode(result: dict):
-    """Bar chart of one decoding step's time from `bench/results/h200_decode.json`, with the floor."""
+    """Bar chart of one decoding step's time from a committed decode benchmark, with the floor."""
     from kda_edu.plotting import figure, finish
 
     s = result["shape"]

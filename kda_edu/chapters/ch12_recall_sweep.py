@@ -1,7 +1,7 @@
 """The memory comparison of chapter 12: every token mixer on every task, at several lengths, seeds and rates.
 
-    python -m kda_edu.chapters.ch12_recall_sweep --preset cpu --out bench/results/recall_cpu.json --workers 2
-    python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out bench/results/recall_gpu.json --workers 16
+    python -m kda_edu.chapters.ch12_recall_sweep --preset cpu --out FILE.json --workers 2
+    python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out FILE.json --workers 16
 
 A preset (`PRESETS`) fixes the model (the same `RecallLM` for every mixer, at equal state size), the training
 recipe, the tasks and their lengths, the mixers, the seeds and the learning rates. Every combination is one
@@ -46,7 +46,7 @@ from kda_edu.training.train import EVAL_BATCH, GATE_PARAMETERS, TrainConfig, tra
 
 # Task parameters besides the length; MQAR's number of pairs grows with the length (`pairs_per_token`).
 PRESETS = {
-    # The committed CPU sweep (bench/results/recall_cpu.json): short lengths, small model.
+    # The committed CPU sweep: short lengths, small model.
     "cpu": {
         "model": {"d_model": 64, "n_layers": 2, "ffn_hidden": 128},
         "mixer": {"num_heads": 2, "head_dim": 16, "chunk_size": 32},
@@ -143,8 +143,7 @@ def needs_rerun(run: dict) -> bool:
     For KDA the old rule decayed its `[H, K]` dt_bias. The other mixers' gate parameters are vectors, which
     neither rule decayed, but their old runs came from earlier builds of the GPU path (one of them with an
     out-of-bounds read in the one-chunk variant, a kernel bug since fixed), and two of them do not reproduce
-    on the current build: Gated DeltaNet's collapse on Palindrome 128 and DeltaNet's NaN on MQAR 1024
-    on later builds. So the whole grid is re-run on one build."""
+    on later builds: Gated DeltaNet's collapse on Palindrome 128 and DeltaNet's NaN on MQAR 1024. So the whole grid is re-run on one build."""
     return "undecayed_gate_parameters" not in run
 
 

@@ -1,6 +1,6 @@
 """Exercises of chapter 8 (the chunked KDA kernel): checkers and worked solutions.
 
-1. `check_design_bytes`: the bytes per token and head that the previous build's two-kernel design moved.
+1. `check_design_bytes`: the bytes per token and head that a two-kernel design (one prepare kernel, then the scan) moves.
 2. `check_scan_kernel`: a Triton kernel for the sequential part (the state pass), checked against the loop.
 3. `check_crossover`: the sequence length where one method overtakes another, from timings at a few lengths.
 """
@@ -30,8 +30,8 @@ _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def solution_design_bytes(K: int, V: int, C: int, in_bytes: int, mid_bytes: int) -> float:
-    """Bytes per token and value head through memory of the previous build's two-kernel design (one prepare
-    kernel, then the scan): inputs once, intermediates written and read back, o once.
+    """Bytes per token and value head through memory of a two-kernel design (one prepare kernel, then
+    the scan): inputs once, intermediates written and read back, o once.
 
     That prepare kernel read k and g a second time (its pass 2), moments after the first read and by the same
     program; that read is assumed to hit the L2 cache and is not counted.

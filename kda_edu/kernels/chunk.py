@@ -30,7 +30,7 @@ all of them, and passes its state to the next piece through the final-state buff
 
 Why three prepare kernels and not one: one kernel could do kernels 1-3's work (the A blocks, the
 inverse, then w and u by block substitution), holding everything in registers: 255 registers at 4 warps, two
-programs per multiprocessor, instruction-bound (bench/results/h200_ncu_profile.json). Split, each kernel holds
+programs per multiprocessor, instruction-bound (an ncu profile on the H200). Split, each kernel holds
 only its own work; on the H200 the prepare fell from 1.19 to 0.85 ms at (1, 8192, 32), most of it from the
 bf16 products of kernel 1 and from kd's exponent in kernel 3 (docs/kernel-design.md).
 
@@ -70,8 +70,8 @@ timings are in docs/kernel-design.md.
 Precision: gates, decays, A, L, X and the state are float32. With 16-bit inputs kernel 1's products round both
 operands to bfloat16 (`tile_mm`; bfloat16 has float32's exponent range, which the anchored factors need, and
 its 8-bit mantissa matches the 16-bit intermediates it feeds), so do kernel 3's (X rounded to bfloat16 as well,
-on the H200 0.04-0.3 ms faster at the headline shapes for a relative change of 3.3e-3 in o,
-bench/results/h200_scan_waves.json; tf32 where a tile has 16 columns, see `prepare_chunks`), kernel 2 uses
+on the H200 0.04-0.3 ms faster at the headline shapes for a relative change of 3.3e-3 in o;
+tf32 where a tile has 16 columns, see `prepare_chunks`), kernel 2 uses
 tf32, and the products against the state use the 16-bit dtype, all with float32 accumulation. With float32 inputs every product is
 exact float32 ("ieee"). Under Triton's interpreter everything is float32 (its 16-bit `tl.dot` is unreliable).
 The diagonal inverses use no product at all: element-wise float32 forward substitution. kd's exponent
@@ -709,7 +709,7 @@ def chunk_kda(
             bytes of q, k, v and g together at K = V = 128 in bf16); the backward skips all three. "none"
             (or False): nothing; the backward recomputes all three. The gradients are the same in every
             mode; the memory held between forward and backward, and the time, are not (chapter 9, "Recompute
-            or store", has the H200's numbers from bench/results/h200_fwd_bwd.json).
+            or store", has the H200's numbers).
         check_inputs: how the values of g (<= 0, not NaN; -inf is a reset) and beta (in [0, 1], not NaN)
             are checked, as `kda_chunked` checks them. Whatever it says, the kernels run a step whose g or
             beta is invalid as a zero step and set the outputs from that step on, and the final state, to NaN
@@ -899,7 +899,7 @@ def scan_value_block(programs: int, V: int, BVP: int, itemsize: int = 2, sms: in
     Each program is a chain over all its sequence's chunks, and only one fits on a multiprocessor (its
     pipelined tiles take 120-150 kB of shared memory), so the programs run in waves of `sms`, and a pass takes
     about (waves) x (one chain). Narrower blocks make more programs, wider ones a dearer chain: measured on the
-    H200 (bench/results/h200_scan_waves.json, 128 chunks, bf16, K = 128), one chain of 16 columns costs 0.81
+    H200 (128 chunks, bf16, K = 128), one chain of 16 columns costs 0.81
     of one of 32, one of 64 costs 1.08. The block with the fewest waves times that cost wins: 32 at
     (1, 8192, 32) (one wave of 128 programs), 64 at (8, 4096, 16) (two waves of 256 instead of four of 512),
     16 at (1, 131072, 16) (one wave of 128 instead of a half-empty one of 64). 64 only with 16-bit
@@ -930,7 +930,7 @@ def pass_stages(BK: int, itemsize: int, BV: int = 64, alone: bool = True) -> int
     (`time_pieces`), the forward's scan shares it with the next piece's prepare kernels, and a three-stage
     scan of BV = 32 or 64 value columns (193 or 213 kB) leaves less than the gram kernel's 37 kB of a
     multiprocessor's 228: two stages then. With 16 columns (183 kB) the gram kernel still fits beside it. On
-    the H200 (bench/results/h200_pass_stages_10ee3fe.json), 3 stages made the scan 1.5x faster at
+    the H200, 3 stages made the scan 1.5x faster at
     (1, 32768, 32) but slowed the gram kernel beside it, and the forward 2 % (BV = 32, four pieces); at
     (1, 131072, 16) (BV = 16, eight pieces) the forward was 7 % faster; where the scan runs alone, at
     (8, 4096, 16), 6 % (the scan 359 -> 250 us), and the backward's passes 23-25 %."""
@@ -1150,11 +1150,11 @@ def time_pieces(
     every sequence, round(sqrt(NT / 32)) of them, at most PIECES_MAX: 2 at 8K tokens, 4 at 32K, 8 from 128K
     (the overlap grows with the count, and so do the launches; on the H200 at (1, 8192, 32) 1.04 / 1.00 /
     1.02 ms in 1 / 2 / 4 pieces, at (1, 32768, 32) 4.00 / 3.77 / 3.71 / 3.78 in 1 / 2 / 4 / 8, at
-    (1, 131072, 16) 9.59 / 8.20 / 8.13 in 1 / 4 / 8; bench/results/h200_time_pieces_45df1a5.json).
+    (1, 131072, 16) 9.59 / 8.20 / 8.13 in 1 / 4 / 8).
 
     The pieces are not equal: the last one's scan runs alone after every prepare kernel, so it gets half a
     share (NT // pieces // 2 chunks) and the first piece the other half; the first piece's prepare kernels run
-    alone anyway. On the H200 (bench/results/h200_piece_cuts_b4ba0df.json, two-stage scans) the cut [96, 32]
+    alone anyway. On the H200 (two-stage scans) the cut [96, 32]
     made the forward at (1, 8192, 32) 4.4 % faster than [64, 64] (0.971 against 1.016 ms), and
     [192, 128, 128, 64] at (1, 32768, 32) 2.2 % faster than four of 128 (3.661 against 3.743; the best cut
     tried, five pieces, 3.653). `pieces` overrides: an int (that many pieces of the time axis, cut this way)

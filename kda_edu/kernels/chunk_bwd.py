@@ -156,7 +156,7 @@ def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
 def _decay_row(gl, c, ck, BK: tl.constexpr, count):
     """exp(gc_C) of chunk c (row c of `gl`, BK numbers) when count > 0, else zeros: `_states_kernel` loads it
     one chunk ahead, since Triton's pipeliner stages only the operands of products and this is an
-    element-wise factor. (Measured on the H200, bench/NOTES.md session 20: the states pass 10-12 % faster; the
+    element-wise factor. (Measured on the H200: the states pass 10-12 % faster; the
     same made the forward's scan slower, by up to 27 %, and `_dstates_kernel` by 3 %.) The mask
     compares ck with a scalar: Triton's interpreter rejects a scalar condition and-ed with a tensor one."""
     return tl.load(gl + c * BK + ck, mask=ck < tl.minimum(count, 1) * BK, other=0.0)
@@ -555,7 +555,7 @@ def chunk_kda_bwd(
     `lk_block` / `lv_block` key channels and `lk_warps` / `lv_warps` warps per program of `_local_k_kernel` /
     `_local_v_kernel` are tuning knobs, and so is `lk_stages`, the pipeline depth of `_local_k_kernel`'s loops
     (None: Triton's default). The defaults are the fastest of bench/kernels/tune_bwd.py's sweep on the H200
-    (bench/NOTES.md has the sweep and its numbers). `pass_depth`: the pipeline depth of the two state passes
+    (docs/kernel-design.md has the sweep's outcome). `pass_depth`: the pipeline depth of the two state passes
     (3-4), `pass_stages`' choice when None; `bv` their value columns per program, `scan_value_block`'s when
     None.
 

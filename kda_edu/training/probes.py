@@ -1,6 +1,6 @@
 """How far a model's gate gradients are from float64, head by head: a probe for training that goes wrong.
 
-Issue 22's suspect for Gated DeltaNet's collapse on the GPU: when a head's gate is strongly negative, its
+A suspect for Gated DeltaNet's collapse on the GPU: when a head's gate is strongly negative, its
 gradient is small and may be dominated by rounding (bf16 kernel inputs, TF32 products), and Adam, which
 divides by the gradient's running scale, turns even a tiny noisy gradient into a full-size step. The probe
 measures exactly that at one point of training:

@@ -1,5 +1,5 @@
 """The book's helpers, for the notebooks (not part of the library): show the source of what a chapter runs,
-build explorers, and read the committed benchmark results.
+build explorers, time a call on a shared machine, and read the committed benchmark results.
 
 The book never pastes code: it imports ``kda_edu`` and shows the source of what it runs. Results of runs the
 chapters cannot repeat on a CPU (H200 benchmarks, long sweeps) are committed to ``bench/results/`` of the
@@ -10,7 +10,11 @@ gets None.
 
 import inspect
 import json
+import math
+import time
 from pathlib import Path
+
+import torch
 
 import kda_edu
 
@@ -71,3 +75,32 @@ def glue(name: str, value):
         return value
     myst_glue(name, value, display=False)
     return value
+
+
+def time_call(fn, *args, repeats: int = 3, threads: int | None = 1, **kwargs) -> float:
+    """Seconds `fn(*args, **kwargs)` takes: one warm-up call, then the fastest of `repeats` timed calls.
+
+    The minimum, because on a shared machine other work only ever adds time. On the CPU the call runs on
+    `threads` threads (None: leave PyTorch's setting alone) and the clock is this process's CPU time, which
+    other programs on the machine do not inflate; with one thread and no waiting it equals the wall time
+    on an idle machine. On a GPU the clock is the wall time, with the device synchronised around each call.
+    """
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    cuda = any(a.is_cuda for a in tensors)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if cuda else time.process_time
+    before = torch.get_num_threads()
+    if threads is not None and not cuda:
+        torch.set_num_threads(threads)
+    try:
+        fn(*args, **kwargs)
+        best = math.inf
+        for _ in range(repeats):
+            sync()
+            start = clock()
+            fn(*args, **kwargs)
+            sync()
+            best = min(best, clock() - start)
+    finally:
+        torch.set_num_threads(before)
+    return best

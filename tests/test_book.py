@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jupytext
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,3 +127,11 @@ def test_readme_stays_short_and_lists_every_chapter():
     assert len(readme.splitlines()) <= 120
     for nb in NOTEBOOKS:
         assert f"`{nb.stem}`" in readme, nb.stem
+
+
+def test_time_call_restores_threads():
+    from kda_edu.book import time_call
+
+    before = torch.get_num_threads()
+    assert time_call(torch.zeros, 3, repeats=1, threads=1) >= 0
+    assert torch.get_num_threads() == before

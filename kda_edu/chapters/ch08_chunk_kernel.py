@@ -798,9 +798,19 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
             N0=i32,
             CS=i32,
             CN=i32,
+            flags="*i32",
         ),
         constexprs=dict(
-            BT=CHUNK, BK=K, BV=V, KC=32, VC=32, PREC="bf16", U_PREC="bf16", IS_VARLEN=False, KD_TOTAL=True
+            BT=CHUNK,
+            BK=K,
+            BV=V,
+            KC=32,
+            VC=32,
+            PREC="bf16",
+            U_PREC="bf16",
+            IS_VARLEN=False,
+            KD_TOTAL=True,
+            CHECK=True,
         ),
         options=dict(num_warps=4),
     )

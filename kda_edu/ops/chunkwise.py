@@ -2,21 +2,20 @@
 
 `kda_edu.ops.kda.kda_chunked` is the reference chunked KDA. This module holds what the chapter builds around it:
 
-- why the plain recurrence is slow: `time_call` and the FLOP counts `recurrent_flops`, `chunked_flops`;
+- why the plain recurrence is slow: the FLOP counts `recurrent_flops`, `chunked_flops`;
 - why a parallel scan is the wrong fix: `parallel_scan`, `compose_affine`, `kda_scan`, `scan_flops`;
 - the WY representation and the UT transform: `transition_product`, `forward_substitution`, `ut_transform`;
 - the chunkwise KDA in matrix-product form, stage by stage, with sub-chunk anchors that keep every exponent
   bounded: `intra_chunk_matrices`, then `kda_chunked_matmul` (with `sub_chunk=chunk_size` it is the naive
   factorisation that overflows); its stage 4 is the state pass that every chunked form shares,
   `kda_edu.ops._chunks.state_passing`;
-- the numerics: `largest_exponent`, `plot_exponent_budget`.
+- the numerics: `largest_exponent` (chapter 6's figure of it: `kda_edu.chapters.ch06_chunkwise`).
 
 Layout as everywhere in kda_edu: q, k `[B, T, H, K]`; v `[B, T, HV, V]`; g `[B, T, HV, K]` (log decay, <= 0);
 beta `[B, T, HV]`; states `[B, HV, K, V]`. Inside a chunk, tensors are `[..., C, K]` with any batch dims first.
 """
 
 import math
-import time
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ from kda_edu.ops._checks import (
 from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
 
 # ---------------------------------------------------------------------------------------------------------
-# Inputs and timing
+# Inputs
 
 
 def random_inputs(
@@ -73,35 +72,6 @@ def random_inputs(
         beta=torch.rand(B, T, HV, **f64),
     )
     return {name: x.to(device=device, dtype=dtype) for name, x in out.items()}
-
-
-def time_call(fn, *args, repeats: int = 3, threads: int | None = 1, **kwargs) -> float:
-    """Seconds `fn(*args, **kwargs)` takes: one warm-up call, then the fastest of `repeats` timed calls.
-
-    The minimum, because on a shared machine other work only ever adds time. On the CPU the call runs on
-    `threads` threads (None: leave PyTorch's setting alone) and the clock is this process's CPU time, which
-    other programs on the machine do not inflate; with one thread and no waiting it equals the wall time
-    on an idle machine. On a GPU the clock is the wall time, with the device synchronised around each call.
-    """
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    cuda = any(a.is_cuda for a in tensors)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    clock = time.perf_counter if cuda else time.process_time
-    before = torch.get_num_threads()
-    if threads is not None and not cuda:
-        torch.set_num_threads(threads)
-    try:
-        fn(*args, **kwargs)
-        best = math.inf
-        for _ in range(repeats):
-            sync()
-            start = clock()
-            fn(*args, **kwargs)
-            sync()
-            best = min(best, clock() - start)
-    finally:
-        torch.set_num_threads(before)
-    return best
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -368,34 +338,3 @@ def largest_exponent(gc: torch.Tensor, sub_chunk: int) -> float:
         row, col = anchored_exponents(gc, start, min(start + sub_chunk, C))
         largest = max(largest, row.max().item(), col.max().item())
     return largest
-
-
-def plot_exponent_budget(lower_bound: float = -5.0, sub_chunk: int = 16):
-    """Plot the largest exponent each way of splitting the decays evaluates, against the chunk size (8 to 256).
-
-    Gates sit at `lower_bound` (the worst case). Three schemes: the naive split at the chunk start, the
-    split anchored every `sub_chunk` rows, and differences taken before `exp` (never above 0). The
-    dashed lines are where `exp` overflows float32 and float16.
-    """
-    from kda_edu.plotting import figure, finish
-
-    chunk_sizes = [8, 16, 32, 64, 128, 256]
-    naive, anchored = [], []
-    for C in chunk_sizes:
-        gc = torch.full((C, 1), float(lower_bound), dtype=torch.float64).cumsum(dim=0)
-        naive.append(largest_exponent(gc, C))
-        anchored.append(largest_exponent(gc, sub_chunk))
-    fig, (ax,) = figure(
-        f"Anchoring every {sub_chunk} rows caps the exponent; the chunk-start split grows with C",
-        [("chunk size C (steps)", "largest exponent x passed to exp(x)")],
-    )
-    ax.plot(chunk_sizes, naive, "o-", color="C3", label="split at the chunk start (naive)")
-    ax.plot(chunk_sizes, anchored, "s-", color="C0", label=f"anchored every {sub_chunk} rows")
-    ax.plot(chunk_sizes, [0] * len(chunk_sizes), "^-", color="C2", label="differences first (kda_chunked)")
-    for dtype, color in ((torch.float32, "k"), (torch.float16, "gray")):
-        ax.axhline(
-            math.log(torch.finfo(dtype).max), ls="--", color=color, lw=1, label=f"exp overflows {dtype}"
-        )
-    ax.set_xscale("log", base=2)
-    ax.legend(fontsize=8)
-    finish(fig)

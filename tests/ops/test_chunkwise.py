@@ -68,9 +68,3 @@ def test_flop_counts():
     total = sum(cw.chunked_flops(4096, 64, 128, 128).values())
     assert abs(total / (6 * 4096 * 128**2 + 5 * 4096 * 64 * 128) - 1) < 0.02
     assert cw.scan_compositions(64) == 2 * 64 - 2 - 6
-
-
-def test_time_call_restores_threads():
-    before = torch.get_num_threads()
-    assert cw.time_call(torch.zeros, 3, repeats=1, threads=1) >= 0
-    assert torch.get_num_threads() == before

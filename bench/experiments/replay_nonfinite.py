@@ -20,7 +20,7 @@ the state's norm after every chunk; for the inverses, their largest error agains
 16-row blocks.
 
     python bench/experiments/replay_nonfinite.py --build .builds/3590420 \\
-        --capture bench/results/capture_deltanet_mqar1024_3590420.pt --out bench/results/nonfinite_replay.json
+        --capture bench/results/capture_deltanet_mqar1024.pt --out bench/results/nonfinite_replay.json
 """
 
 import argparse

@@ -19,6 +19,8 @@ Linear attention is the one model that is not KDA with special inputs: it writes
 erasing the prediction `S^T k_t`, so the loop has a single switch, `delta_rule`.
 """
 
+import math
+
 import torch
 
 from kda_edu.ops._checks import compute_dtype
@@ -54,6 +56,15 @@ def general_recurrence(
     Returns:
         `(o, final_state)`: o `[B, T, HV, V]` in v's dtype; final_state `[B, HV, K, V]` in float32 (float64
         for float64 inputs), or None when `output_final_state` is False.
+
+    Non-finite inputs stay causal, forward and backward. A NaN or inf in the key of step t makes the state NaN
+    from t on, so every output from t on; one in the value makes that value column of the state (and of
+    the outputs) non-finite from t on, the other columns untouched; one in the query spoils only o_t (NaN).
+    The outputs before t, and for a loss on them the gradients of every step before t, are those of the
+    clean prefix. A bad key or query therefore enters the products as zero and what it spoils is set to NaN
+    by a select afterwards: multiplied in, its NaN would reach the earlier steps' gradients through the
+    backward of the state's read and write, as zero (the gradient from outputs the loss does not use)
+    times NaN, which is NaN.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -61,6 +72,8 @@ def general_recurrence(
     q = q.to(dtype).repeat_interleave(HV // H, dim=2) * scale
     k = k.to(dtype).repeat_interleave(HV // H, dim=2)
     v_in, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    bad_q, bad_k = (~torch.isfinite(x).all(dim=-1, keepdim=True) for x in (q, k))  # [B, T, HV, 1]
+    q, k = torch.where(bad_q, 0.0, q), torch.where(bad_k, 0.0, k)  # in the products as zero (docstring)
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
     o = []
@@ -71,5 +84,6 @@ def general_recurrence(
             v_t = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)
         u_t = beta[:, t, :, None] * v_t
         S = S + k_t[..., :, None] * u_t[..., None, :]
-        o.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
+        S = torch.where(bad_k[:, t, :, :, None], math.nan, S)  # a bad key spoils the state
+        o.append(torch.where(bad_q[:, t], math.nan, torch.einsum("bhk,bhkv->bhv", q_t, S)))
     return torch.stack(o, dim=1).to(v.dtype), (S if output_final_state else None)

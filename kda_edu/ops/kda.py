@@ -43,7 +43,8 @@ def kda_recurrent(
 
     For t = 1..T: `S = Diag(exp(g_t)) S`, then `S += beta_t k_t (v_t - S^T k_t)^T`, then
     `o_t = S^T (scale q_t)`. The loop itself is `kda_edu.ops.recurrence.general_recurrence` with every part
-    switched on.
+    switched on; its docstring says what a NaN or inf in q, k or v spoils (never a step before it, forward or
+    backward).
 
     Args:
         q: queries `[B, T, H, K]`, floating dtype.

@@ -57,14 +57,11 @@ def general_recurrence(
         `(o, final_state)`: o `[B, T, HV, V]` in v's dtype; final_state `[B, HV, K, V]` in float32 (float64
         for float64 inputs), or None when `output_final_state` is False.
 
-    Non-finite inputs stay causal, forward and backward. A NaN or inf in the key of step t makes the state NaN
-    from t on, so every output from t on; one in the value makes that value column of the state (and of
-    the outputs) non-finite from t on, the other columns untouched; one in the query spoils only o_t (NaN).
-    The outputs before t, and for a loss on them the gradients of every step before t, are those of the
-    clean prefix. A bad key or query therefore enters the products as zero and what it spoils is set to NaN
-    by a select afterwards: multiplied in, its NaN would reach the earlier steps' gradients through the
-    backward of the state's read and write, as zero (the gradient from outputs the loss does not use)
-    times NaN, which is NaN.
+    Non-finite inputs stay causal, forward and backward: a NaN or inf in the key of step t makes the state NaN
+    from t on; one in the value spoils (NaN or inf) that value column of the state and the outputs from t on;
+    one in the query makes o_t alone NaN. A bad key or query enters the products as zero and what it spoils is set to NaN by a select:
+    multiplied in, its NaN would reach the earlier steps' gradients (a loss on o[:t] sends back zeros from t
+    on, and zero times NaN is NaN).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

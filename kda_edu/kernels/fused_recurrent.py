@@ -248,7 +248,8 @@ def fused_recurrent_kda(
     `FusedRecurrentKDAFunction`, whose backward is the chunked backward of `chunk_kda`
     (`kda_edu.kernels.chunk_bwd`): the same function, differentiated by kernels tested against
     float64. It needs K, V <= 256 and no ``inplace_final_state`` (the backward reads the initial
-    state); otherwise such a call raises a ValueError.
+    state); otherwise such a call raises a ValueError. First derivatives only: a backward taken with
+    ``create_graph=True`` raises a RuntimeError (`kda_edu.ops.kda.kda_chunked` has second derivatives).
     """
     # Shapes, dtypes and devices only: checking g <= 0 and beta in [0, 1] would cost a
     # device-to-host sync per call, longer than the decoding step itself.

@@ -688,7 +688,9 @@ def chunk_kda(
 
     The forward runs four kernels (module docstring). When any input requires a gradient, the call goes
     through `kda_edu.kernels.chunk_bwd.ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
-    beta and initial_state.
+    beta and initial_state: first derivatives only (a backward with create_graph=True raises a RuntimeError;
+    `kda_chunked` has second derivatives). The backward is as causal as the forward: with a bad value at step
+    t, the gradients of the earlier steps for a loss on the outputs before t are those of the clean prefix.
 
     Args:
         q: queries `[B, T, H, K]`, bfloat16, float16 or float32; K <= 256.

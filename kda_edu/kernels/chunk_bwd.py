@@ -71,6 +71,32 @@ S0 (kernel 3) are the one thing that cannot be recomputed locally: they are stor
 backward only, in the 16-bit input dtype (float32 for float32 inputs), the precision the forward itself
 multiplies them in.
 
+Rounding of dg: dg_t is the sum over the rows i >= t of dgc_i, and most of that sum cancels. For M_ij =
+sum_c a_ic b_jc exp(gc_ic - gc_jc) the term T_ij = dM_ij a_i b_j exp(gc_i - gc_j) enters dgc_i (through
+a * da) and dgc_j (through -b * db), so it leaves dg_t only for the pairs j < t <= i that straddle t, each
+with the decay of gate t inside; kd's term x_i = k_i exp(gc_C - gc_i) dkd_i enters row i with - and the
+chunk's end with +, so it leaves dg_t only for t > i, with the gates after i inside. The true dg is
+therefore small when the decay is strong (every remaining term carries exp(g_t) or smaller), and the terms
+that cancel are harmless only while they are small too: rounding leaves about 1e-7 of each. Two of them are
+not small, decay 1: Aqk's diagonal pair (i = j: q_i dAqk_ii k_i, added and subtracted in the same row) and kd's
+term for the chunk's last row (exp(0)). Both cancel exactly in exact arithmetic, so `_local_k_kernel` leaves
+the diagonal out of the products (adding dAqk_ii k_i to dq and dAqk_ii q_i to dk alone) and
+`_local_v_kernel` leaves the last row's kd term out of dgc and of the end term. What remains of dg's
+rounding is then relative to dg itself: with every gate at -5, -12 or -20 its relative error against the
+float64 loop is about 1e-6, 6e-7 and 4e-7 (it was 7e-5, 5e-2 and 1e2: an absolute floor near 1e-7 of the
+other gradients).
+
+Bad values: the backward is as causal as the forward. A NaN or inf in q, k, v or beta, or a NaN or +inf gate, at
+step t spoils the forward from t on (chunk.py runs that step as a zero step and writes its row of u as NaN, so
+U's row, the outputs from t on and the state after the chunk are NaN), and for a loss on the outputs before
+t every gradient of an earlier step must be that of the clean prefix. Such a loss sends exact zeros back from
+t on (dO, dS from the later chunks, and so dU, du', dw' and the C x C gradients in rows t and after), but a
+zero times NaN is NaN, and dg, a reverse cumsum over the chunk, would carry a NaN of row t to every row before
+it. So every kernel here reads the inputs, U and u, and the forward's qg and Aqk (a bad query's row is NaN
+there) with their non-finite entries replaced by 0, by a select (`_finite`, `_gates`), as the prepare kernels
+read the inputs: the products then multiply exact zeros by finite numbers. The gradients of step t and after
+are not meaningful (the forward is not finite there); the chunks after t's see a NaN state S0.
+
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
 before a sub-chunk use the anchor at its start boundary, rows after it the anchor at its end boundary (both
 factors <= 1 either way). The 16 x 16 diagonal blocks use
@@ -109,6 +135,19 @@ from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates ha
 
 
 @jit
+def _finite(x):
+    """x with its NaN and inf entries replaced by 0, in x's dtype (a select: 0 * NaN would be NaN)."""
+    return tl.where(tl.abs(x) < float("inf"), x, tl.zeros_like(x))
+
+
+@jit
+def _gates(x):
+    """Base-2 gates as the prepare kernels take them (`base2_gates`), with a NaN or +inf gate as 0."""
+    x = x.to(tl.float32)
+    return tl.where(x < float("inf"), base2_gates(x), 0.0)
+
+
+@jit
 def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.constexpr):
     """Backward of the diagonal blocks of both Gram matrices (A: rows beta k; Aqk: rows scale q; columns k),
     for masked dA and dQ: returns d(beta k), d(scale q) and the column-side dk of the two together.
@@ -144,11 +183,12 @@ def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.cons
 
 @jit
 def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
-    """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t)."""
-    k_a = load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32)
-    qs_a = load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32) * scale
-    g_a = base2_gates(load_rows(g_h, ta, HV * K, ck, K, n_t))
-    beta_a = tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)
+    """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t), each
+    non-finite input as 0 (`_finite`, `_gates`; the module docstring, "Bad values")."""
+    k_a = _finite(load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32))
+    qs_a = _finite(load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32)) * scale
+    g_a = _gates(load_rows(g_h, ta, HV * K, ck, K, n_t))
+    beta_a = _finite(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32))
     return k_a, qs_a, g_a, beta_a
 
 
@@ -233,10 +273,10 @@ def _dstates_kernel(
         n_t = (t_end - t0).to(tl.int32)
         c = (i_hv * NCH + i_c).to(tl.int64)
         r = (c * BT + rows)[:, None]
-        qg_n = tl.load(qg + r * BK + ck[None, :])
+        qg_n = _finite(tl.load(qg + r * BK + ck[None, :]))  # a bad query's row: 0
         kd_n = tl.load(kd + r * BK + ck[None, :])
         w_n = tl.load(w + r * BK + ck[None, :])
-        a_n = tl.load(aqk + r * BT + rows[None, :])
+        a_n = _finite(tl.load(aqk + r * BT + rows[None, :]))
         decay = tl.load(gl + c * BK + ck)  # here, loading it a chunk ahead (as _states_kernel) was slower
         do_n = tl.load(do_hv + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
                        mask=(rows[:, None] < n_t) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
@@ -288,7 +328,7 @@ def _local_v_kernel(
     v_off = t0 * HV * V + i_hv * V  # [B, T, HV, V] tensors: row t of the chunk at + t * HV * V
     tv = rows[:, None] * HV * V
     b_h = beta + t0 * HV + i_hv
-    beta_all = tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32)
+    beta_all = _finite(tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32))
     X = tl.load(x + r * BT + rows[None, :])
 
     dqg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -305,7 +345,7 @@ def _local_v_kernel(
         s_ptr = (hb + ck[:, None]) * BVP + cv[None, :]
         S0 = tl.load(h + s_ptr, mask=vm, other=0.0)
         dS = tl.load(dh + s_ptr, mask=vm, other=0.0)
-        U = tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0)
+        U = _finite(tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0))
         dU = tl.load(dvn + r * BVP + cv[None, :], mask=vm, other=0.0)
         do_c = tl.load(do + v_off + tv + cv[None, :], mask=tm, other=0.0)
         do_c = do_c.to(S0.dtype)
@@ -314,7 +354,7 @@ def _local_v_kernel(
         dw -= tl.dot(dU.to(S0.dtype), tl.trans(S0), input_precision=PREC)
         dgl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), axis=1)
         if FIRST:  # the value-side terms, once per chunk
-            u_c = tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32)
+            u_c = _finite(tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32))
             v_c = tl.load(v + v_off + tv + cv[None, :], mask=tm, other=0.0)
             dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
             dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
@@ -324,16 +364,16 @@ def _local_v_kernel(
             dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
 
     # Key side: the UT transform's w, then the element-wise exp(gc) factors of qg, w and kd.
-    k_all = load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)
-    qs = load_rows(q + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32) * scale
+    k_all = _finite(load_rows(k + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32))
+    qs = _finite(load_rows(q + t0 * H * K + i_h * K, rows, H * K, ck, K, n_t).to(tl.float32)) * scale
     g_h = g + t0 * HV * K + i_hv * K
-    g_c = base2_gates(load_rows(g_h, rows, HV * K, ck, K, n_t))
+    g_c = _gates(load_rows(g_h, rows, HV * K, ck, K, n_t))
     gc = tl.cumsum(g_c, axis=0)
     gc_end = tl.sum(g_c, axis=0)
     # gc_end - gc_i, the gates after row i, as a reverse cumsum of the next rows' gates: as a difference of
     # two cumsums it would carry their rounding (~1e-4 of an exponent once a reset of -1000 is in both).
     # (n_t counts to the sequence's end: row BT of the chunk is the next chunk's first.)
-    g_next = base2_gates(load_rows(g_h, rows + 1, HV * K, ck, K, n_t))
+    g_next = _gates(load_rows(g_h, rows + 1, HV * K, ck, K, n_t))
     after = tl.cumsum(tl.where((rows < BT - 1)[:, None], g_next, 0.0), axis=0, reverse=True)
     w_c = tl.load(w + r * BKP + ck[None, :]).to(tl.float32)
     dwp = tl.dot(tl.trans(X), dw, input_precision=PREC)  # dw' = X^T dw
@@ -343,8 +383,12 @@ def _local_v_kernel(
     kg = k_all * eg
     db += tl.sum(dwp * kg, axis=1)
     dkg = beta_all[:, None] * dwp
-    dgc_c = qs * eg * dqg + kg * dkg - k_all * ed * dkd
-    end = tl.sum(k_all * ed * dkd, axis=0) + tl.exp2(gc_end) * dgl
+    # kd's term, -x_i on row i and +x_i at the chunk's end, adds x_i to dg_t for t > i only: the chunk's last
+    # row (ed = 1, the largest) adds nothing to a row of the chunk and is left out of both (module docstring,
+    # "Rounding of dg"), so that `end` carries no rounding of it.
+    x_kd = tl.where((rows == tl.minimum(n_t, BT) - 1)[:, None], 0.0, k_all * ed * dkd)
+    dgc_c = qs * eg * dqg + kg * dkg - x_kd
+    end = tl.sum(x_kd, axis=0) + tl.exp2(gc_end) * dgl
 
     k_off = t0 * HV * K + i_hv * K  # [B, T, HV, K] gradients: row t of the chunk at + t * HV * K
     kt = rows[:, None] * HV * K + ck[None, :]
@@ -387,10 +431,10 @@ def _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_strid
         jb = b - 1 - i
         tj = jb * BC + rc
         # gate j+1 on row j; the gates from row start on are not this pair's (loaded as zeros)
-        g_next = base2_gates(load_rows(g_h, tj + 1, HV * K, ck, K, tl.minimum(n_t, start)))
+        g_next = _gates(load_rows(g_h, tj + 1, HV * K, ck, K, tl.minimum(n_t, start)))
         col_x = tl.cumsum(g_next, axis=0, reverse=True) + between[None, :]
         between += tl.sum(g_next, axis=0)
-        k_col = load_rows(k_h, tj, H * K, ck, K, n_t).to(tl.float32) * tl.exp2(col_x)
+        k_col = _finite(load_rows(k_h, tj, H * K, ck, K, n_t).to(tl.float32)) * tl.exp2(col_x)
         off = start * BT + jb * BC + tile
         s_kk += tl.dot(_sum_shares(dA_c, off, a_stride, NKB), k_col, input_precision=PREC)
         s_qk += tl.dot(tl.load(dQ_c + off).to(tl.float32), k_col, input_precision=PREC)
@@ -485,22 +529,26 @@ def _local_k_kernel(
         da_qk = s_qk * row_f
     d_tile = ta[:, None] * BT + ta[None, :]  # 2.
     dA_d = _sum_shares(dA_c, d_tile, a_stride, NKB)
+    # Aqk's diagonal (decay 1) adds the same q_i dAqk_ii k_i to dgc twice, with opposite signs: it is taken
+    # out of the products and added to dq and dk alone (module docstring, "Rounding of dg").
     dQ_d = tl.load(dQ_c + d_tile).to(tl.float32)
-    da_d, dq_d, db_a = _diag_gram_bwd(dA_d, dQ_d, bk_a, qs_a, k_a, g_a, BC, PREC)
+    on_diag = rc[:, None] == rc[None, :]
+    dQ_ii = tl.sum(tl.where(on_diag, dQ_d, 0.0), axis=1)[:, None]
+    da_d, dq_d, db_a = _diag_gram_bwd(dA_d, tl.where(on_diag, 0.0, dQ_d), bk_a, qs_a, k_a, g_a, BC, PREC)
     da_kk += da_d
     da_qk += dq_d
     if b < NB - 1:  # 3.
         db_c = _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t, scale, a_stride,
                                 BT, BC, BK, NKB, PREC)  # fmt: skip
         # gates j+1 .. end for j in the block: gate j+1 on row j, the row after the block's end as zero
-        g_na = base2_gates(load_rows(g_h, ta + 1, HV * K, ck, K, tl.minimum(n_t, end + 1)))
+        g_na = _gates(load_rows(g_h, ta + 1, HV * K, ck, K, tl.minimum(n_t, end + 1)))
         db_a += db_c * tl.exp2(tl.cumsum(g_na, axis=0, reverse=True))
 
     o_a = t0 * HV * K + i_hv * K + ta[:, None] * HV * K + ck[None, :]  # 4.
     m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
-    dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * da_qk
+    dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * (da_qk + dQ_ii * k_a)
     tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
-    dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a
+    dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a + dQ_ii * qs_a
     tl.store(dk_out + o_a, dk_a.to(dk_out.dtype.element_ty), mask=m_a)
     dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
     tl.store(dgc + o_a, dg_a, mask=m_a)
@@ -679,13 +727,27 @@ def _local_v_stages(BK: int, itemsize: int) -> dict:
     return dict(num_stages=2 if BK <= 128 else 1)
 
 
+def refuse_double_backward(name: str) -> None:
+    """Raise a RuntimeError inside a backward taken with create_graph=True (grad mode is on there only then).
+
+    The kernels' gradients are plain tensors with no graph of their own, so a second derivative through them
+    (a gradient penalty, a Hessian-vector product) would silently miss every term that passes through them."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}'s backward (Triton kernels) is not differentiable: second derivatives "
+            "(torch.autograd.grad or backward with create_graph=True, e.g. a gradient penalty) are not "
+            "supported through it; use kda_edu.ops.kda.kda_chunked, whose backward is differentiable"
+        )
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """`chunk_kda` with a Triton backward. The forward saves its inputs, and the chunk intermediates that
     `keep_intermediates` (a `KEEP_MODES` name) names; the backward recomputes the others.
 
     The intermediates are not saved tensors but a dict on ctx that the first backward empties (each buffer is
     freed as soon as that backward is done with it, and `aqk` becomes dAqk in place). A second backward
-    through the same graph (`retain_graph=True`) finds the dict empty and recomputes them."""
+    through the same graph (`retain_graph=True`) finds the dict empty and recomputes them. The backward is
+    not differentiable: taken with create_graph=True it raises (`refuse_double_backward`)."""
 
     @staticmethod
     def forward(
@@ -716,6 +778,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        refuse_double_backward("chunk_kda")
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
         raise_value_errors(wait=False)  # the forward's value check, if its verdict has arrived
         do = do.contiguous()

@@ -251,7 +251,8 @@ def fused_recurrent_kda(
     `FusedRecurrentKDAFunction`, whose backward is the chunked backward of `chunk_kda`
     (`kda_edu.kernels.chunk_bwd`): the same function, differentiated by kernels tested against
     float64. It needs K, V <= 256 and no ``inplace_final_state`` (the backward reads the initial
-    state); otherwise such a call raises a ValueError.
+    state); otherwise such a call raises a ValueError. First derivatives only: a backward taken with
+    ``create_graph=True`` raises a RuntimeError (`kda_edu.ops.kda.kda_chunked` has second derivatives).
     """
     # Shapes, dtypes and devices only: checking g <= 0 and beta in [0, 1] would cost a
     # device-to-host sync per call, longer than the decoding step itself.
@@ -356,7 +357,8 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
 
     The two compute the same function (the chunked form is the loop regrouped), so the gradients of
     `kda_edu.kernels.chunk_bwd`'s kernels, which recompute what they need from the inputs, are the
-    gradients of this forward. The forward saves the inputs only."""
+    gradients of this forward. The forward saves the inputs only. The backward is not differentiable: taken
+    with create_graph=True it raises (second derivatives need `kda_edu.ops.kda.kda_chunked`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
@@ -370,7 +372,9 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from kda_edu.kernels.chunk_bwd import chunk_kda_bwd  # on use: chunk_bwd imports this package
+        from kda_edu.kernels.chunk_bwd import chunk_kda_bwd, refuse_double_backward  # chunk_bwd imports this
+
+        refuse_double_backward("fused_recurrent_kda")
 
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))

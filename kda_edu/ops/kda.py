@@ -43,7 +43,8 @@ def kda_recurrent(
 
     For t = 1..T: `S = Diag(exp(g_t)) S`, then `S += beta_t k_t (v_t - S^T k_t)^T`, then
     `o_t = S^T (scale q_t)`. The loop itself is `kda_edu.ops.recurrence.general_recurrence` with every part
-    switched on.
+    switched on; its docstring says what a NaN or inf in q, k or v spoils (never a step before it, forward or
+    backward).
 
     Args:
         q: queries `[B, T, H, K]`, floating dtype.
@@ -165,11 +166,16 @@ def kda_chunked(
     [0, 1], are rounded to the compute dtype: a float32 sum that reaches ~1000 after a few resets carries a
     rounding of ~1e-4, which the decays between the steps after the reset would inherit.
 
-    Non-finite q, k, v: a NaN or inf in the key or value of step t makes the outputs from t on NaN (and the
-    state after t's chunk, so every later output too), as the loop does; the outputs before t are exactly
-    those of the clean prefix. That step runs as a zero step and its outputs are set to NaN afterwards, since
-    the zeros of the causal masks would carry a NaN backwards (0 * NaN = NaN). A non-finite query spoils its
-    own output only. Non-finite g or beta are rejected by the input check.
+    Non-finite q, k, v: a NaN or inf in the key or value of step t makes every output of that head from t
+    on NaN, in all V columns, and the final state NaN. The loop spoils less for a bad value: there only
+    that value column is non-finite from t on, the other columns of the outputs and state stay finite (for
+    a bad key the loop's state is NaN from t on too). A non-finite query makes its own output NaN and
+    nothing else, in both forms. In every case the outputs before t are exactly those of the clean prefix,
+    and so, for a loss on them, are the gradients of every step before t (and of the initial state): the
+    bad step runs as a zero step (its key and value, or its query, as zeros) and the outputs it spoils are
+    set to NaN by a select afterwards. Multiplied in, the NaN would reach the earlier steps, forward through
+    the zeros of the causal masks and backward through any product with a zero gradient (0 * NaN = NaN).
+    Non-finite g or beta are rejected by the input check.
 
     Args:
         q: queries `[B, T, H, K]`, floating dtype; any T >= 1.
@@ -191,10 +197,13 @@ def kda_chunked(
     q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True)
     C, dtype = q.shape[3], q.dtype
     # A step with a non-finite key or value runs as a zero step; the outputs from it on are set to NaN
-    # afterwards, and so is the final state. Multiplying by the zeros of the causal masks would instead
-    # spread its NaN to the earlier steps of its chunk (0 * NaN = NaN).
+    # afterwards, and so is the final state. A non-finite query reads as zero and its own output is set to
+    # NaN. Multiplying by the zeros of the causal masks would instead spread a NaN to the earlier steps of
+    # its chunk, and the backward's products with zero gradients to every earlier step (0 * NaN = NaN).
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v_c).all(-1))  # [B, HV, NC, C]
+    bad_q = ~torch.isfinite(q).all(-1)
     k, v_c = (torch.where(bad[..., None], 0.0, x) for x in (k, v_c))
+    q = torch.where(bad_q[..., None], 0.0, q)
     spoilt = bad.flatten(-2).cumsum(dim=-1).unflatten(-1, bad.shape[-2:]) > 0  # from the first bad step on
     i = torch.arange(C, device=q.device)
     eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
@@ -221,7 +230,7 @@ def kda_chunked(
 
     # Sequential: the values written given the incoming state, the outputs, the outgoing state.
     o, S = state_passing(q, k, gc, Aqk, w, u, initial_state)
-    o = torch.where(spoilt[..., None], math.nan, o)
+    o = torch.where((spoilt | bad_q)[..., None], math.nan, o)
     S = torch.where(spoilt[:, :, -1, -1, None, None], math.nan, S)
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)
 

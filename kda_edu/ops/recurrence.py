@@ -19,6 +19,8 @@ Linear attention is the one model that is not KDA with special inputs: it writes
 erasing the prediction `S^T k_t`, so the loop has a single switch, `delta_rule`.
 """
 
+import math
+
 import torch
 
 from kda_edu.ops._checks import compute_dtype
@@ -54,6 +56,12 @@ def general_recurrence(
     Returns:
         `(o, final_state)`: o `[B, T, HV, V]` in v's dtype; final_state `[B, HV, K, V]` in float32 (float64
         for float64 inputs), or None when `output_final_state` is False.
+
+    Non-finite inputs stay causal, forward and backward: a NaN or inf in the key of step t makes the state NaN
+    from t on; one in the value spoils (NaN or inf) that value column of the state and the outputs from t on;
+    one in the query makes o_t alone NaN. A bad key or query enters the products as zero and what it spoils is set to NaN by a select:
+    multiplied in, its NaN would reach the earlier steps' gradients (a loss on o[:t] sends back zeros from t
+    on, and zero times NaN is NaN).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -61,6 +69,8 @@ def general_recurrence(
     q = q.to(dtype).repeat_interleave(HV // H, dim=2) * scale
     k = k.to(dtype).repeat_interleave(HV // H, dim=2)
     v_in, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    bad_q, bad_k = (~torch.isfinite(x).all(dim=-1, keepdim=True) for x in (q, k))  # [B, T, HV, 1]
+    q, k = torch.where(bad_q, 0.0, q), torch.where(bad_k, 0.0, k)  # in the products as zero (docstring)
 
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
     o = []
@@ -71,5 +81,6 @@ def general_recurrence(
             v_t = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)
         u_t = beta[:, t, :, None] * v_t
         S = S + k_t[..., :, None] * u_t[..., None, :]
-        o.append(torch.einsum("bhk,bhkv->bhv", q_t, S))
+        S = torch.where(bad_k[:, t, :, :, None], math.nan, S)  # a bad key spoils the state
+        o.append(torch.where(bad_q[:, t], math.nan, torch.einsum("bhk,bhkv->bhv", q_t, S)))
     return torch.stack(o, dim=1).to(v.dtype), (S if output_final_state else None)

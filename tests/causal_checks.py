@@ -1,0 +1,94 @@
+"""A bad value at step t must not reach anything before t: the outputs before t, and for a loss on them the
+gradients of every earlier step and of the initial state, are those of the clean prefix. Shared by the sweeps
+of tests/ops (the PyTorch references) and tests/kernels (the Triton kernels).
+
+The reference is the float64 loop `kda_recurrent` run on the prefix alone (steps 0 .. t-1) with the same
+initial state and the same loss: what the bad step cannot change. A path that lets the bad value through
+gives NaN there (0 * NaN = NaN), which `rel` reports as inf.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+from kda_edu.ops.kda import kda_recurrent
+
+BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def make(T, H=1, HV=2, K=16, V=16, seed=0, dtype=torch.float32):
+    """Random inputs: unit keys, gates in [-1, 0], beta in (0, 1), an initial state."""
+    gen = torch.Generator().manual_seed(seed)
+    x = dict(
+        q=torch.randn(1, T, H, K, generator=gen),
+        k=F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1),
+        v=torch.randn(1, T, HV, V, generator=gen),
+        g=-torch.rand(1, T, HV, K, generator=gen),
+        beta=torch.rand(1, T, HV, generator=gen),
+        initial_state=torch.randn(1, HV, K, V, generator=gen),
+    )
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def spoil(x, name, t, value, head=0, channel=0):
+    """A copy of x with `value` at step t of `name` (head `head`, key or value channel `channel`)."""
+    y = {n: a.clone() for n, a in x.items()}
+    head %= y[name].shape[2]
+    if name == "beta":
+        y[name][0, t, head] = value
+    else:
+        y[name][0, t, head, channel % y[name].shape[3]] = value
+    return y
+
+
+def rejected(name, value):
+    """Whether the input check (kda_recurrent, kda_chunked, chunk_kda) refuses this value: any NaN or inf in
+    beta, a NaN or +inf gate. A gate of -inf is a reset, legitimate everywhere."""
+    return name == "beta" or (name == "g" and not value == -math.inf)
+
+
+def prefix_gradients(fn, x, t, seed=1, **kw):
+    """o and the gradients of sum(o[:, :t] * w) (w random) with respect to every input of x, from fn."""
+    xs = {n: a.detach().clone().requires_grad_() for n, a in x.items()}
+    o = fn(**xs, **kw)[0]
+    w = torch.randn(o[:, :t].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (o[:, :t].double() * w).sum().backward()
+    return o.detach(), {n: a.grad for n, a in xs.items()}
+
+
+def rel(x, ref):
+    """Relative norm error; inf when x is not finite."""
+    x, ref = x.double(), ref.double()
+    if not bool(torch.isfinite(x).all()):
+        return math.inf
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def causal_errors(fn, x, name, t, value, head=0, channel=0, **kw):
+    """Errors of fn with `value` at step t of `name`, before t, against the float64 loop on the clean prefix:
+    {"o": ..., "dq": ..., ..., "dinitial_state": ...}."""
+    o, grads = prefix_gradients(fn, spoil(x, name, t, value, head, channel), t, **kw)
+    prefix = {n: (a if n == "initial_state" else a[:, :t]).double() for n, a in x.items()}
+    ref_o, ref_grads = prefix_gradients(kda_recurrent, prefix, t)
+    errors = {"o": rel(o[:, :t], ref_o)}
+    for n, g in grads.items():
+        errors["d" + n] = rel(g if n == "initial_state" else g[:, :t], ref_grads[n])
+    return errors
+
+
+@st.composite
+def bad_steps(draw, T_min, T_max):
+    """(T, name, t, value name, head, channel, seed): where a sweep puts one bad value."""
+    T = draw(st.integers(T_min, T_max))
+    return (
+        T,
+        draw(st.sampled_from(NAMES)),
+        draw(st.integers(1, T - 1)),
+        draw(st.sampled_from(sorted(BAD))),
+        draw(st.integers(0, 1)),
+        draw(st.integers(0, 15)),
+        draw(st.integers(0, 2**16)),
+    )

@@ -44,7 +44,7 @@ def test_every_named_reference_resolves():
     )
 
 
-@pytest.mark.parametrize("name", ["kda_edu.ops.kda.kda_chunked", "kda_edu.kernels.chunk.prepare_chunks"])
+@pytest.mark.parametrize("name", ["kda_edu.ops.kda.kda_chunked", "kda_edu.kernels.chunk_fwd.prepare_chunks"])
 def test_the_resolver_finds_real_names(name):
     assert resolves(name)
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from bench_kda import D, make_inputs  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kda_edu.kernels import chunk  # noqa: E402
+from kda_edu.kernels import chunk_common, chunk_fwd  # noqa: E402
 
 # chunks per piece, first piece first; None: the default cut
 CUTS = {
@@ -41,18 +41,18 @@ def main():
         x = make_inputs(B, T, H)
         h0 = torch.randn(B, H, D, D, device="cuda")
         fwd_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, h0, True)
-        ref_o, ref_h = chunk.chunk_kda_fwd(*fwd_args, pieces=1)
+        ref_o, ref_h = chunk_fwd.chunk_kda_fwd(*fwd_args, pieces=1)
         for cut in cuts:
             pieces = None
             if cut is not None:
-                assert sum(cut) == T // chunk.CHUNK, cut
+                assert sum(cut) == T // chunk_common.CHUNK, cut
                 starts = [sum(cut[:i]) for i in range(len(cut))]
                 pieces = [(0, B, cs, cn) for cs, cn in zip(starts, cut, strict=True)]
             for stages in (None, 2, 3):
-                o, ht = chunk.chunk_kda_fwd(*fwd_args, pieces=pieces, stages=stages)
+                o, ht = chunk_fwd.chunk_kda_fwd(*fwd_args, pieces=pieces, stages=stages)
                 same = bool(torch.equal(o, ref_o) and torch.equal(ht, ref_h))
                 ms = do_bench(
-                    lambda a=fwd_args, p=pieces, s=stages: chunk.chunk_kda_fwd(*a, pieces=p, stages=s),
+                    lambda a=fwd_args, p=pieces, s=stages: chunk_fwd.chunk_kda_fwd(*a, pieces=p, stages=s),
                     return_mode="median",
                 )
                 rows.append(

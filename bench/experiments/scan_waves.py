@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from bench_kda import HEADLINE, D, make_inputs, run_environment  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kda_edu.kernels.chunk import chunk_kda_fwd  # noqa: E402
 from kda_edu.kernels.chunk_bwd import chunk_kda_bwd  # noqa: E402
+from kda_edu.kernels.chunk_fwd import chunk_kda_fwd  # noqa: E402
 from kda_edu.ops.kda import kda_recurrent  # noqa: E402
 
 FWD = [dict()] + [dict(bv=bv, warps_scan=w) for bv in (16, 32, 64, 128) for w in (4, 8)]

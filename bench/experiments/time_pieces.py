@@ -1,5 +1,5 @@
 """Experiment on a GPU: the forward cut into pieces of the time axis, each piece's scan on a side
-stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk.time_pieces`, `chunk_kda_fwd`).
+stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk_launch.time_pieces`, `chunk_kda_fwd`).
 
 At each shape (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs): the forward's median time for 1, 2, 4
 and 8 pieces, how far o and the final state move from one piece (relative norm; expected 0: the same kernel
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from bench_kda import HEADLINE, D, make_inputs, run_environment  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kda_edu.kernels import chunk  # noqa: E402
+from kda_edu.kernels import chunk, chunk_common, chunk_fwd, chunk_launch  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, None)  # pieces of the time axis; None: `time_pieces`' choice ("default")
 
@@ -37,28 +37,30 @@ def one_shape(B, T, H):
     x = make_inputs(B, T, H)
     h0 = torch.randn(B, H, D, D, device="cuda")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, h0, True)
-    ref_o, ref_h = chunk.chunk_kda_fwd(*args, pieces=1)
+    ref_o, ref_h = chunk_fwd.chunk_kda_fwd(*args, pieces=1)
     row = dict(shape=(B, T, H), forward_ms={}, o_rel_to_one={}, ht_rel_to_one={})
     for p in COUNTS:
         key = str(p) if p else "default"
-        o, ht = chunk.chunk_kda_fwd(*args, pieces=p)
+        o, ht = chunk_fwd.chunk_kda_fwd(*args, pieces=p)
         row["o_rel_to_one"][key], row["ht_rel_to_one"][key] = rel(o, ref_o), rel(ht, ref_h)
         row["forward_ms"][key] = do_bench(
-            lambda p=p: chunk.chunk_kda_fwd(*args, pieces=p), return_mode="median"
+            lambda p=p: chunk_fwd.chunk_kda_fwd(*args, pieces=p), return_mode="median"
         )
-    row["default_pieces"] = chunk.time_pieces(B, chunk.chunk_layout(T, B)[0], H, D, D, 2, False, "cuda")
+    row["default_pieces"] = chunk_launch.time_pieces(
+        B, chunk_common.chunk_layout(T, B)[0], H, D, D, 2, False, "cuda"
+    )
     # A CUDA graph of the default forward, replayed on new inputs of the same shape, against eager.
     static = [t.clone() for t in args[:5]]
-    chunk.chunk_kda_fwd(*static, *args[5:])
+    chunk_fwd.chunk_kda_fwd(*static, *args[5:])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out = chunk.chunk_kda_fwd(*static, *args[5:])
+        g_out = chunk_fwd.chunk_kda_fwd(*static, *args[5:])
     fresh = make_inputs(B, T, H, seed=1)
     for s, name in zip(static, ("q", "k", "v", "g", "beta"), strict=True):
         s.copy_(fresh[name])
     graph.replay()
-    e_out = chunk.chunk_kda_fwd(*(fresh[n] for n in ("q", "k", "v", "g", "beta")), *args[5:])
+    e_out = chunk_fwd.chunk_kda_fwd(*(fresh[n] for n in ("q", "k", "v", "g", "beta")), *args[5:])
     row["graph_rel_to_eager"] = [rel(g_out[0], e_out[0]), rel(g_out[1], e_out[1])]
     del graph
     if B * T * H <= 2**19:  # the training step too, at the two smaller shapes

@@ -33,7 +33,7 @@ import triton
 from triton.testing import do_bench
 
 from kda_edu.kernels import chunk_kda
-from kda_edu.kernels.chunk import chunk_kda_fwd
+from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 from kda_edu.ops.kda import kda_chunked
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")

@@ -1,6 +1,6 @@
 """Pipeline depth of the passes over the chunks (the forward's scan, the backward's two state passes) on a GPU.
 
-`chunk.pass_stages` picks three stages for 16-bit inputs when the pass has the multiprocessor to itself, and
+`chunk_launch.pass_stages` picks three stages for 16-bit inputs when the pass has the multiprocessor to itself, and
 two when the forward's scan shares it with the next piece's prepare kernels (unless its 16 value columns leave
 them room). This script times each choice against the others at the benchmark shapes (inputs of
 bench/kernels/bench_kda_bwd.py), in one process:
@@ -29,7 +29,7 @@ from bench_kda_bwd import make_inputs, per_kernel_us, step
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from kda_edu.kernels import chunk, chunk_bwd, chunk_kda
+from kda_edu.kernels import chunk, chunk_bwd, chunk_fwd, chunk_kda
 
 SHAPES = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32), (1, 131072, 16)]
 STEP_SHAPES = SHAPES[:3]
@@ -41,7 +41,7 @@ def _run(x):
 
 def _variant(fwd_stages=None, pass_depth=None):
     """A context in which chunk_kda runs with the scan's and the backward passes' depth forced (None: default)."""
-    fwd, bwd = chunk.chunk_kda_fwd, chunk_bwd.chunk_kda_bwd
+    fwd, bwd = chunk_fwd.chunk_kda_fwd, chunk_bwd.chunk_kda_bwd
 
     def fwd_forced(*a, **kw):
         return fwd(*a, **kw, **({} if fwd_stages is None else dict(stages=fwd_stages)))

@@ -26,7 +26,7 @@ from bench_kda_bwd import make_inputs as make_grad_inputs
 from triton.testing import do_bench
 
 from kda_edu.kernels import chunk_kda
-from kda_edu.kernels.chunk import chunk_kda_fwd
+from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 D = 128

@@ -17,7 +17,7 @@ import torch
 from bench_kda import HEADLINE, D, make_inputs
 from triton.testing import do_bench
 
-from kda_edu.kernels.chunk import chunk_kda_fwd
+from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
 
 def timed(rows, shape, call, **kw):

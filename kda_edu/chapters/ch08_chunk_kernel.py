@@ -1,4 +1,4 @@
-"""Chapter 8's tools for taking `kda_edu.kernels.chunk` apart: stage by stage, byte by byte, and its benchmark.
+"""Chapter 8's tools for taking `kda_edu.kernels.chunk_fwd` apart: stage by stage, byte by byte, and its benchmark.
 
 - `prepare` runs only the three prepare kernels (`_chunk_gram_kernel`, `_chunk_inverse_kernel`,
   `_chunk_wu_kernel`, through `prepare_chunks`) and returns their intermediates (w, u, qg, kd, Aqk, exp(gc_C),
@@ -7,8 +7,8 @@
 - `reference_intermediates` computes the same intermediates in float64 PyTorch, from the chunkwise pieces of
   chapter 6 (`kda_edu.ops.chunkwise`).
 - `gram16_kernel` is the gram kernel's first version, one product per 16 x 16 block (twenty accumulators),
-  with the arguments of chunk.py's `_chunk_gram_kernel`; `gram_kernel_swapped` makes chunk.py's launchers
-  launch it instead, and `blocks16_forward` is the forward with it (a rung of `LADDER`).
+  with the arguments of `chunk_fwd._chunk_gram_kernel`; the launchers take it as their `gram_kernel`, and
+  `blocks16_forward` is the forward with it (a rung of `LADDER`).
 - `left_of_diagonal`, `diagonal_product` and `gram64` are the 64-row gram kernel's products written in
   PyTorch: the masked products left of the diagonal, the anchored product whose diagonal blocks it keeps;
   `diagonal_spans` finds the steps of key columns whose gates send the kernel to its per-block path.
@@ -40,37 +40,30 @@ import os
 import re
 import subprocess
 import sys
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from unittest import mock
 
 import torch
 import triton
 import triton.language as tl
 
 from kda_edu.chapters.ch08_chunk_v0 import v0_forward
-from kda_edu.kernels import chunk
+from kda_edu.kernels import chunk_fwd
 from kda_edu.kernels._backend import jit
 
-# With chunk.py's public names, the building blocks `gram16_kernel` shares with chunk.py's gram kernel (private
-# to chunk.py, which this chapter takes apart; imported, not copied, so that each exists once)
-from kda_edu.kernels.chunk import (
-    CHUNK,
+# With chunk_fwd.py's public names, the building blocks `gram16_kernel` shares with its gram kernel (private
+# to chunk_fwd.py, which this chapter takes apart; imported, not copied, so that each exists once)
+from kda_edu.kernels.chunk_common import CHUNK, SUB, chunk_layout, chunk_program, load_rows, pow2
+from kda_edu.kernels.chunk_fwd import (
     KERNELS,
-    SUB,
     chunk_kda_fwd,
-    chunk_layout,
-    chunk_program,
     clean_nonfinite,
     diag_grams,
     key_block,
-    load_rows,
-    pass_stages,
-    pow2,
     prepare_chunks,
     store_block,
     tile_mm,
 )
+from kda_edu.kernels.chunk_launch import pass_stages
 from kda_edu.ops._checks import GATE_FLOOR
 from kda_edu.ops._chunks import chunk_inputs, to_chunks
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
@@ -98,7 +91,7 @@ def prepare(
     wrote it, float32), and `flat`: the padded buffers as the scan kernel reads them (layout
     `[HV, B * NT * C, cols]`: value head first, then the global chunk index, then the row). `kc` key columns
     per step of the kernels' column loops (the launcher's default when None). `gram_kernel`: launched in place
-    of chunk.py's gram kernel when given (`gram16_kernel`).
+    of chunk_fwd.py's gram kernel when given (`gram16_kernel`).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -106,8 +99,7 @@ def prepare(
     BT = CHUNK
     NT, NCH, _, _ = layout = chunk_layout(T, B)  # chunk i_c is chunk i_c % NT of sequence i_c // NT
     q, k, v, g, beta = (x.contiguous().float() for x in (q, k, v, g, beta))
-    with gram_kernel_swapped(gram_kernel) if gram_kernel is not None else nullcontext():  # chunk_kda's launch
-        flat = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=store_x, kc=kc)[0]
+    flat = prepare_chunks(q, k, v, g, beta, scale, layout, store_x=store_x, kc=kc, gram_kernel=gram_kernel)[0]
     x_buf = flat.pop("x")  # X = (I + L)^-1, or None: returned only on request
 
     def view(name, cols):  # [HV, B, NT, C, cols] -> [B, HV, NT, C, cols]
@@ -170,7 +162,7 @@ def gram(q, k, g, beta, scale: float | None = None, kc: int | None = None, kerne
     outputs chunk by chunk: `qg` `[B, HV, NT, C, K]`, `aqk` and `L` = Diag(beta) A `[B, HV, NT, C, C]` (L as
     written into the x buffer, whose entries the kernel leaves unwritten read as 0).
 
-    `kernel`: chunk.py's `_chunk_gram_kernel` when None, or another with its arguments (`gram16_kernel`); `kc`
+    `kernel`: chunk_fwd.py's `_chunk_gram_kernel` when None, or another with its arguments (`gram16_kernel`); `kc`
     key columns per step (`prepare_chunks`' default of 32, at most K rounded up to a power of two, when None).
     """
     B, T, H, K = q.shape
@@ -183,7 +175,7 @@ def gram(q, k, g, beta, scale: float | None = None, kc: int | None = None, kerne
     qg = torch.zeros(rows, BK, device=q.device)
     aqk = torch.zeros(rows, CHUNK, device=q.device)
     lmat = torch.zeros(rows, CHUNK, device=q.device)
-    (kernel or chunk._chunk_gram_kernel)[(NCH, HV)](
+    (kernel or chunk_fwd._chunk_gram_kernel)[(NCH, HV)](
         q, k, g, beta, qg, aqk, lmat, chunks, T, H, HV, K, NT, NCH, scale, 0, 0, NT,
         BT=CHUNK, BC=SUB, BK=BK, KC=min(kc or 32, BK), PREC="ieee", IS_VARLEN=False, num_warps=4,
     )  # fmt: skip
@@ -259,7 +251,7 @@ def gram16_kernel(
     diagonal (twenty accumulators), KC key columns at a time, each key block loaded once per step, and qg.
     Writes qg, Aqk whole and L = Diag(beta) A into lmat (`_store_l_aqk`). Block (a, c < a) is anchored at the
     end boundary of block c (`_pair`, both exponents <= 0), the diagonal blocks at their middle row or in
-    the exact pairwise form (`diag_grams`). The arguments are those of chunk.py's `_chunk_gram_kernel`."""
+    the exact pairwise form (`diag_grams`). The arguments are those of chunk_fwd.py's `_chunk_gram_kernel`."""
     tl.static_assert(BT == 4 * BC)
     i_hv, i_h, t0, n_t, row0 = chunk_program(chunks, T, NT, H, HV, NCH, N0, CS, CN, BT, IS_VARLEN)
     q_h = q + t0 * H * K + i_h * K
@@ -311,20 +303,12 @@ def gram16_kernel(
     _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a33, a32, a31, a30, q33, q32, q31, q30, 3, BT, BC)
 
 
-@contextmanager
-def gram_kernel_swapped(kernel):
-    """Inside the block, chunk.py's launchers (`prepare_chunks`, so `chunk_kda_fwd` and the backward) launch
-    `kernel` (it takes `_chunk_gram_kernel`'s arguments) where they launch their gram kernel; chunk.py as it
-    was afterwards."""
-    with mock.patch.object(chunk, "_chunk_gram_kernel", kernel):
-        yield
-
-
 def blocks16_forward(q, k, v, g, beta, scale, initial_state, output_final_state, **knobs):
     """`chunk_kda_fwd` with `gram16_kernel` as its gram kernel: the forward before the gram kernel multiplied
     64-row tiles. Same arguments (and tuning knobs, `info` among them) and result as `chunk_kda_fwd`."""
-    with gram_kernel_swapped(gram16_kernel):
-        return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, **knobs)
+    return chunk_kda_fwd(
+        q, k, v, g, beta, scale, initial_state, output_final_state, gram_kernel=gram16_kernel, **knobs
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -402,7 +386,7 @@ def diagonal_product(q, k, g, sub: int = SUB) -> tuple[torch.Tensor, torch.Tenso
 def diagonal_spans(g: torch.Tensor, kc: int = 32, sub: int = SUB) -> torch.Tensor:
     """The largest |exponent| of the gram kernel's anchored diagonal product, in powers of two, per chunk and
     step of `kc` key columns: the largest gate sum from a row to its block's middle row, with the gates
-    raised to GATE_FLOOR as the kernels load them. A step above `chunk.DIAG_LIMIT` takes the per-block path.
+    raised to GATE_FLOOR as the kernels load them. A step above `chunk_common.DIAG_LIMIT` takes the per-block path.
 
     g: natural-log gates `[B, T, HV, K]`. Returns `[B, HV, NT, ceil(K / kc)]`.
     """

@@ -234,7 +234,7 @@ def recompute_vs_store(K: int, V: int, C: int = 64, in_bytes: int = 2) -> dict:
 
     The chunk-local intermediates the backward needs are w, qg, kd (K numbers each), u (V), one row of Aqk
     (C) in the input dtype, and one row of X = (I + A)^-1 (C numbers, float32). Recomputing them is the
-    forward's three prepare kernels run again (`kda_edu.kernels.chunk.prepare_chunks`, keeping the X buffer
+    forward's three prepare kernels run again (`kda_edu.kernels.chunk_fwd.prepare_chunks`, keeping the X buffer
     the inverse kernel writes anyway), counted as chapter 8 counts the kernels
     (`kda_edu.chapters.ch08_chunk_kernel.design_flops`, whose entries are named by kernel): gram, inverse and
     wu. X costs nothing beyond them. The forward it is compared with is all four kernels: the scan's products
@@ -335,13 +335,13 @@ def versus_range(ratios, digits: int = 1) -> str:
     return f"{a:.{digits}f}x to {b:.{digits}f}x {word}"
 
 
-FORWARD_KERNELS = (  # kda_edu/kernels/chunk.py's, in launch order: three prepare kernels, then the scan
+FORWARD_KERNELS = (  # kda_edu/kernels/chunk_fwd.py's, in launch order: three prepare kernels, then the scan
     "_chunk_gram_kernel",
     "_chunk_inverse_kernel",
     "_chunk_wu_kernel",
     "_chunk_scan_kernel",
 )
-BACKWARD_KERNELS = (  # in launch order: chunk.py's three prepare kernels again, then chunk_bwd.py's five
+BACKWARD_KERNELS = (  # in launch order: chunk_fwd.py's three prepare kernels again, then chunk_bwd.py's five
     "_chunk_gram_kernel",
     "_chunk_inverse_kernel",
     "_chunk_wu_kernel",

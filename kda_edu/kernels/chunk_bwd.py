@@ -2,7 +2,7 @@
 
 Read `kda_edu.ops.kda.kda_chunked` and `kda_edu.kernels.chunk` first: the notation is theirs. Per chunk (C = 64
 steps, gc the within-chunk gate cumsum, S0 the state entering the chunk, X = (I + A)^-1 with A the strictly
-lower gated key Gram matrix with beta inside, as in `kda_chunked` and chapter 6; chunk.py keeps beta apart and
+lower gated key Gram matrix with beta inside, as in `kda_chunked` and chapter 6; chunk_fwd.py keeps beta apart and
 calls this matrix L = Diag(beta) A):
 
     U   = u - w S0                          u = X Diag(beta) V,  w = X Diag(beta) (K * exp(gc))
@@ -32,7 +32,7 @@ dg is the reverse cumulative sum of dgc within the chunk (the chunk-end terms la
 
 The kernels, in order (all but the two passes are parallel over chunks):
 
-    1-2. chunk.py's three prepare kernels again (`_chunk_gram_kernel`, `_chunk_inverse_kernel`,
+    1-2. chunk_fwd.py's three prepare kernels again (`_chunk_gram_kernel`, `_chunk_inverse_kernel`,
        `_chunk_wu_kernel`), through the forward's own launcher `prepare_chunks` with store_x=True: the forward's
        intermediates (w, u, qg, kd, Aqk, exp(gc_C)) and X = (I + A)^-1. X costs nothing extra: the inverse
        kernel forms it in every forward (the w/u kernel multiplies by it); store_x only keeps its buffer.
@@ -51,7 +51,7 @@ The kernels, in order (all but the two passes are parallel over chunks):
     value head per key head and 16-bit inputs, 6 writes the finished dq and dk in the inputs' dtype.
 
 Variable-length batches (`cu_seqlens`, N sequences packed along T with B = 1) use the forward's layout
-(chunk.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
+(chunk_common.py's `chunk_layout`): every chunk lies inside one sequence, the last chunk of a sequence may be short,
 and the intermediates are indexed by chunk, [HV, NCH, ...]. The parallel kernels (1-2, 5-7) run one program
 per chunk and value head (and key block) and read the chunk's first token and its sequence's end from the chunk table, so they
 never see a step of another sequence. The two passes (3, 4) run one program per (value block, sequence x value
@@ -59,7 +59,7 @@ head) over that sequence's chunks only (per-sequence chunk offsets), starting fr
 pass 4 ends with that sequence's dh0, [N, HV, K, V]. An empty sequence has no chunks: its dh0 is its dht.
 Without cu_seqlens, chunk i_c is chunk i_c % NT of batch row i_c // NT, with no table (IS_VARLEN = False).
 
-What the forward keeps besides q, k, v, g, beta, h0 and cu_seqlens (`keep_intermediates`, chunk.py's
+What the forward keeps besides q, k, v, g, beta, h0 and cu_seqlens (`keep_intermediates`, chunk_common.py's
 `KEEP_MODES`): by default ("matrices") the two C x C matrices of each chunk, X and Aqk, and qg, which its
 gram and inverse kernels made; the backward then runs only the w/u kernel of 1-2 (w, u, kd and gl from X and
 the inputs). With "all" it keeps every output of its prepare kernels and X (its `prepare_chunks` call with
@@ -87,7 +87,7 @@ float64 loop is about 1e-6, 6e-7 and 4e-7 (it was 7e-5, 5e-2 and 1e2: an absolut
 other gradients).
 
 Bad values: the backward is as causal as the forward. A NaN or inf in q, k, v or beta, or a NaN or +inf gate, at
-step t spoils the forward from t on (chunk.py runs that step as a zero step and writes its row of u as NaN, so
+step t spoils the forward from t on (chunk_fwd.py runs that step as a zero step and writes its row of u as NaN, so
 U's row, the outputs from t on and the state after the chunk are NaN), and for a loss on the outputs before
 t every gradient of an earlier step must be that of the clean prefix. Such a loss sends exact zeros back from
 t on (dO, dS from the later chunks, and so dU, du', dw' and the C x C gradients in rows t and after), but a
@@ -100,7 +100,7 @@ are not meaningful (the forward is not finite there); the chunks after t's see a
 Overflow: as in the forward, every exponent evaluated is <= 0 or anchored inside a 16-row sub-chunk. Columns
 before a sub-chunk use the anchor at its start boundary, rows after it the anchor at its end boundary (both
 factors <= 1 either way). The 16 x 16 diagonal blocks use
-the middle-row anchor when the gates allow it and the exact pairwise form otherwise (see chunk.py).
+the middle-row anchor when the gates allow it and the exact pairwise form otherwise (see chunk_fwd.py).
 Rounding: kernels 5 and 6 take each exponent as a sum of consecutive gates (the gates before a row, after it
 up to the chunk's end or a block boundary, between two rows of a block), never as the difference of two
 cumsums: after a reset (a gate at GATE_FLOOR, -151 in base 2) two cumsums are both large and their difference
@@ -112,26 +112,23 @@ import triton
 import triton.language as tl
 
 from kda_edu.kernels._backend import jit
-from kda_edu.kernels.chunk import (  # the chunk size too: keep_intermediates hands the forward's buffers over
+from kda_edu.kernels.chunk_common import (  # the chunk size too: keep_intermediates hands the forward's buffers over
     CHUNK,
     DIAG_LIMIT,
     KEEP_MODES,
     KERNEL_GATE_FLOOR,
     SUB,
     base2_gates,
-    chunk_kda_fwd,
     chunk_layout,
     chunk_span,
     diag_span,
     load_rows,
-    pass_stages,
     pow2,
-    prepare_chunks,
-    raise_value_errors,
-    scan_value_block,
     seq_chunks,
     work_precision,
 )
+from kda_edu.kernels.chunk_fwd import prepare_chunks
+from kda_edu.kernels.chunk_launch import pass_stages, scan_value_block
 
 
 @jit
@@ -738,53 +735,3 @@ def refuse_double_backward(name: str) -> None:
             "(torch.autograd.grad or backward with create_graph=True, e.g. a gradient penalty) are not "
             "supported through it; use kda_edu.ops.kda.kda_chunked, whose backward is differentiable"
         )
-
-
-class ChunkKDAFunction(torch.autograd.Function):
-    """`chunk_kda` with a Triton backward. The forward saves its inputs, and the chunk intermediates that
-    `keep_intermediates` (a `KEEP_MODES` name) names; the backward recomputes the others.
-
-    The intermediates are not saved tensors but a dict on ctx that the first backward empties (each buffer is
-    freed as soon as that backward is done with it, and `aqk` becomes dAqk in place). A second backward
-    through the same graph (`retain_graph=True`) finds the dict empty and recomputes them. The backward is
-    not differentiable: taken with create_graph=True it raises (`refuse_double_backward`)."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        keep_intermediates,
-        flags=None,
-    ):
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        h0 = initial_state.contiguous() if initial_state is not None else None
-        ctx.kept = {} if keep_intermediates != "none" else None
-        o, ht = chunk_kda_fwd(
-            q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, keep=ctx.kept, flags=flags
-        )
-        if ctx.kept is not None:  # the rest of the forward's buffers are freed here
-            ctx.kept = {name: ctx.kept[name] for name in KEEP_MODES[keep_intermediates]}
-        ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
-        ctx.scale = scale
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        refuse_double_backward("chunk_kda")
-        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
-        raise_value_errors(wait=False)  # the forward's value check, if its verdict has arrived
-        do = do.contiguous()
-        dht = dht.contiguous() if dht is not None else None
-        kept, ctx.kept = (ctx.kept or None), None  # None: a second backward, recompute
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(
-            q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, kept=kept
-        )
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None

@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 
 from kda_edu.kernels._backend import check_device, interpreting, jit
+from kda_edu.kernels.chunk_bwd import chunk_kda_bwd, refuse_double_backward
 from kda_edu.ops._checks import check_kda_inputs, resolve_scale, value_checks_enabled
-from kda_edu.ops.varlen import check_cu_seqlens
+from kda_edu.ops.varlen import check_cu_seqlens, check_varlen_state
 
 __all__ = ["fused_recurrent_kda"]
 
@@ -139,21 +140,6 @@ def default_config(K: int, V: int, n_states: int, device: torch.device) -> tuple
     while BV > 16 and triton.cdiv(V, BV) * n_states < 4 * _sm_count(device):
         BV //= 2
     return BV, 4
-
-
-def check_varlen_state(initial_state, N: int, HV: int, K: int, V: int, device: torch.device) -> None:
-    """With cu_seqlens there is one state per sequence, [N, HV, K, V], not one per batch row."""
-    if not isinstance(initial_state, torch.Tensor):
-        raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
-    if tuple(initial_state.shape) != (N, HV, K, V):
-        raise ValueError(
-            f"with cu_seqlens, initial_state must have shape [N, HV, K, V] = {(N, HV, K, V)}, one state per "
-            f"sequence, got {tuple(initial_state.shape)}"
-        )
-    if initial_state.dtype != torch.float32:
-        raise TypeError(f"initial_state must be float32, got {initial_state.dtype}")
-    if initial_state.device != device:
-        raise ValueError(f"initial_state must be on q's device ({device}), got {initial_state.device}")
 
 
 def fused_recurrent_fwd(
@@ -372,7 +358,6 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from kda_edu.kernels.chunk_bwd import chunk_kda_bwd, refuse_double_backward  # chunk_bwd imports this
 
         refuse_double_backward("fused_recurrent_kda")
 

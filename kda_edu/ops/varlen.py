@@ -96,3 +96,18 @@ def positions_in_sequence(cu_seqlens: list[int], device: torch.device) -> torch.
     )
     T = cu_seqlens[-1]
     return torch.arange(T, device=device) - starts.repeat_interleave(lengths, output_size=T)
+
+
+def check_varlen_state(initial_state, N: int, HV: int, K: int, V: int, device: torch.device) -> None:
+    """With cu_seqlens there is one state per sequence, [N, HV, K, V], not one per batch row."""
+    if not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+    if tuple(initial_state.shape) != (N, HV, K, V):
+        raise ValueError(
+            f"with cu_seqlens, initial_state must have shape [N, HV, K, V] = {(N, HV, K, V)}, one state per "
+            f"sequence, got {tuple(initial_state.shape)}"
+        )
+    if initial_state.dtype != torch.float32:
+        raise TypeError(f"initial_state must be float32, got {initial_state.dtype}")
+    if initial_state.device != device:
+        raise ValueError(f"initial_state must be on q's device ({device}), got {initial_state.device}")

@@ -161,7 +161,7 @@ def test_discarded_entries_of_the_diagonal_product_overflow():
     """At gates of -8 (still the anchored path: 8 gates = 92.3 < 96 powers of two) the whole anchored product
     has non-finite entries off the diagonal blocks, none on their lower triangles; the kernel stays finite and
     matches the float64 reference."""
-    from kda_edu.kernels.chunk import DIAG_LIMIT
+    from kda_edu.kernels.chunk_common import DIAG_LIMIT
     from kda_edu.ops._chunks import chunk_inputs
 
     x = random_inputs(1, 64, 1, 32, 16, lower_bound=-5.0, device=DEVICE)
@@ -185,7 +185,7 @@ def test_discarded_entries_of_the_diagonal_product_overflow():
 def test_per_block_path_in_both_gram_kernels():
     """Strong gates in half the key channels and a reset: some steps leave the anchored diagonal product, and
     the forward with either gram kernel still matches the float64 loop."""
-    from kda_edu.kernels.chunk import DIAG_LIMIT
+    from kda_edu.kernels.chunk_common import DIAG_LIMIT
 
     x = random_inputs(1, 128, 1, 64, 16, lower_bound=-5.0)
     gen = torch.Generator().manual_seed(0)

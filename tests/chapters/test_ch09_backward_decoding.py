@@ -30,12 +30,12 @@ from kda_edu.ops.kda import kda_recurrent
 
 
 def test_kernel_names_are_the_librarys():
-    """The forward's kernels are chunk.KERNELS in launch order; the backward starts with the three prepare
+    """The forward's kernels are chunk_fwd.KERNELS in launch order; the backward starts with the three prepare
     kernels again (the ones `recompute_vs_store` counts) and goes on with chunk_bwd's own four."""
-    from kda_edu.kernels import chunk, chunk_bwd
+    from kda_edu.kernels import chunk_bwd, chunk_fwd
 
-    assert [getattr(chunk, n) for n in FORWARD_KERNELS] == list(chunk.KERNELS.values())
-    assert list(chunk.KERNELS)[:3] == list(RECOMPUTED) and BACKWARD_KERNELS[:3] == FORWARD_KERNELS[:3]
+    assert [getattr(chunk_fwd, n) for n in FORWARD_KERNELS] == list(chunk_fwd.KERNELS.values())
+    assert list(chunk_fwd.KERNELS)[:3] == list(RECOMPUTED) and BACKWARD_KERNELS[:3] == FORWARD_KERNELS[:3]
     assert all(callable(getattr(chunk_bwd, n)) for n in BACKWARD_KERNELS[3:])
 
 

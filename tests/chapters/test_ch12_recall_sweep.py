@@ -150,7 +150,7 @@ def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
     from triton.backends.compiler import BaseBackend
 
     from kda_edu.chapters.ch12_recall_sweep import task_for, warm_up_shapes
-    from kda_edu.kernels.chunk import chunk_layout
+    from kda_edu.kernels.chunk_common import chunk_layout
     from kda_edu.training.train import EVAL_BATCH
 
     def variant(batch: int, length: int) -> tuple:

@@ -152,10 +152,10 @@ def test_no_kernel_specialises_the_chunk_count():
     GPU (the one-chunk cases of test_chunk_bwd.py); here the kernels' own compile options are read: the
     interpreter's wrapper keeps them in `kwargs`, a compiled JITFunction in `do_not_specialize` (names or
     argument positions)."""
-    from kda_edu.kernels import chunk, chunk_bwd
+    from kda_edu.kernels import chunk_bwd, chunk_fwd
 
     checked = []
-    for module in (chunk, chunk_bwd):
+    for module in (chunk_fwd, chunk_bwd):
         for name, kernel in vars(module).items():
             names = getattr(kernel, "arg_names", None)
             if not name.endswith("_kernel") or not names or "NT" not in names:
@@ -191,7 +191,7 @@ def test_time_pieces_match_fp64_loop(pieces, with_state):
     what one piece gives: against the float64 loop with the usual tolerance, and against one piece within
     1e-6 relative (every chunk is computed by the same kernel code; the state crosses pieces in float32).
     Two sequences of 300 steps (four full chunks and a tail), two value heads per key head."""
-    from kda_edu.kernels.chunk import chunk_kda_fwd
+    from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
     q, k, v, g, beta, h0 = make_inputs(2, 300, 1, 2, 32, 16)
     h0 = h0 if with_state else None
@@ -208,7 +208,7 @@ def test_time_pieces_match_fp64_loop(pieces, with_state):
 def test_a_bad_value_in_a_later_piece_spoils_only_what_follows():
     """A NaN value at step 200 (chunk 3 of 5 pieces of one chunk each): the outputs before it are exact, every
     output from it on is NaN in that head and sequence, and so is the final state; the other head is exact."""
-    from kda_edu.kernels.chunk import chunk_kda_fwd
+    from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
     q, k, v, g, beta, h0 = make_inputs(1, 300, 1, 2, 32, 16)
     v[0, 200, 0, 3] = float("nan")
@@ -224,7 +224,7 @@ def test_a_bad_value_in_a_later_piece_spoils_only_what_follows():
 def test_pieces_of_sequences_match_fp64_loop():
     """Pieces of whole sequences (what `time_pieces` picks when the scan needs more than one wave of programs),
     and pieces that cut both sequences and time, against the float64 loop: three sequences of 150 steps."""
-    from kda_edu.kernels.chunk import chunk_kda_fwd
+    from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
     q, k, v, g, beta, h0 = make_inputs(3, 150, 1, 2, 32, 16)
     o_ref, ht_ref = kda_oracle(q, k, v, g, beta, h0)
@@ -238,7 +238,7 @@ def test_time_pieces_cover_every_chunk_once(NT):
     """`time_pieces` (on 132 multiprocessors, K = V = 128, bf16) covers every chunk of every sequence once, in
     order within each sequence: 2, 4 and 8 pieces of the time axis at 8K, 32K and 128K tokens of one sequence
     with 32 or 16 heads; one piece with cu_seqlens, with too little work, or when asked for one."""
-    from kda_edu.kernels.chunk import PIECE_MIN_CHUNK_HEADS, PIECES_MAX, time_pieces
+    from kda_edu.kernels.chunk_launch import PIECE_MIN_CHUNK_HEADS, PIECES_MAX, time_pieces
 
     def covered(cut, N):
         return sorted(
@@ -262,7 +262,7 @@ def test_time_pieces_cover_every_chunk_once(NT):
 def test_one_piece_when_the_scan_takes_more_than_one_wave():
     """(8, 4096, 16) on 132 multiprocessors: blocks of 64 value columns make 256 scan programs, two waves; the
     scan fills the GPU by itself, and the forward runs in one piece. (1, 8192, 32): 128 programs, two pieces."""
-    from kda_edu.kernels.chunk import time_pieces
+    from kda_edu.kernels.chunk_launch import time_pieces
 
     assert time_pieces(8, 64, 16, 128, 128, 2, False) == [(0, 8, 0, 64)]
     assert time_pieces(1, 128, 32, 128, 128, 2, False) == [

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from test_chunk_varlen import LENGTHS, cu_of, per_sequence
 
 from kda_edu.kernels import chunk as chunk_mod
-from kda_edu.kernels import chunk_bwd, chunk_kda
+from kda_edu.kernels import chunk_bwd, chunk_common, chunk_kda
 from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +124,7 @@ def test_kept_intermediates_give_the_same_bits(varlen, mode):
     inputs, so outputs and all six gradients agree with those of "none" within 1e-6 relative (a few float32
     roundings; chapter 9 states the same bound; a buffer handed over wrongly is off by order 1). The first
     backward empties the kept buffers; a second one (retain_graph) recomputes and agrees too."""
-    kept_names = set(chunk_mod.KEEP_MODES[chunk_mod.keep_mode(mode)])
+    kept_names = set(chunk_common.KEEP_MODES[chunk_common.keep_mode(mode)])
     if varlen:
         inputs, do, dht = make_inputs(1, 140, 1, 2, 16, 32, n_states=3)
         cu = torch.tensor([0, 70, 75, 140], device=DEVICE)

@@ -1,6 +1,6 @@
 """The split prepare: the current kda_edu beside an older build and fla, in one process.
 
-At each shape (bench_kda.py's inputs, bf16, K = V = 128) it times with `triton.testing.do_bench` (median):
+At each shape (`bench.common.kda_inputs`, bf16, K = V = 128) it times with `triton.testing.do_bench` (median):
   * the forward of this checkout's kda_edu with its default knobs and with each of `VARIANTS` (prepare kernels'
     warps and key columns), and its prepare kernels alone (`chunk_kda_fwd(..., stop_after="prepare")`);
   * the forward and its prepare alone of an older build, imported as `kda_edu_old` from `--old` (a copy of

@@ -15,8 +15,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_test.sh REPORT_DIR}
 mkdir -p "$out"
-# The chapters' kernels start in book/: they find kda_edu (and bench/, tests/) through absolute paths.
-export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+# The chapters' kernels start in book/: they find kda_edu, the bench package and tests/ through absolute paths.
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 stages=${GPU_TEST_STAGES:-unit notebooks}
 workers=${GPU_TEST_WORKERS:-12}
 nb_workers=${GPU_NB_WORKERS:-3}

@@ -13,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
-export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests:$PYTHONPATH"
+export PYTHONPATH="$PWD:$PWD/tests:$PYTHONPATH"
 OUT=${OUT:?set OUT}
 logs=$(mktemp -d)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$logs/gpu.txt"
@@ -27,7 +27,7 @@ for dt in float16 float32; do
     --junitxml="$OUT/notebooks_$dt.xml" $dtype_chapters >"$logs/notebooks_$dt.log" 2>&1 &
 done
 # chapter 14's experiment at GPU size (losses only, so it may share the GPU with the tests)
-timeout "${K3_SECONDS:-400}" python3 bench/experiments/k3_experiment.py --gpu --budget-s "${K3_BUDGET:-300}" \
+timeout "${K3_SECONDS:-400}" python3 -m bench.experiments.k3_experiment --gpu --budget-s "${K3_BUDGET:-300}" \
   --out "$OUT/k3_gpu.json" >"$logs/k3.log" 2>&1 &
 GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-11} GPU_NB_WORKERS=${GPU_NB_WORKERS:-5} GPU_TEST_SECONDS=${GPU_TEST_SECONDS:-420} \
   bash tools/gpu_test.sh "$logs/h200_tests" >"$logs/gpu_test.log" 2>&1
@@ -35,8 +35,8 @@ echo "gpu_test: exit $?" >>"$logs/gpu.txt"
 wait
 cp "$logs"/h200_tests/*.xml "$OUT/" 2>/dev/null
 
-timeout 50 python3 bench/kernels/tf32_precision.py --out "$OUT/h200_tf32.json" >"$logs/tf32.log" 2>&1
-timeout "${CP_SECONDS:-80}" python3 bench/kernels/cp_shard_costs.py --max-seconds "${CP_ROWS_SECONDS:-45}" \
+timeout 50 python3 -m bench.kernels.tf32_precision --out "$OUT/h200_tf32.json" >"$logs/tf32.log" 2>&1
+timeout "${CP_SECONDS:-80}" python3 -m bench.kernels.cp_shard_costs --max-seconds "${CP_ROWS_SECONDS:-45}" \
   --out "$OUT/h200_cp_shard_costs.json" >"$logs/cp.log" 2>&1
 tar -czf "$OUT/logs.tar.gz" -C "$logs" .
 cat "$logs/gpu.txt"

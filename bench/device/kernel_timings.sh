@@ -15,12 +15,12 @@ timeout "${TEST_S:-200}" python -m pytest -q -n 8 -p no:cacheprovider tests/kern
     --junitxml="$OUT/kernels.xml" > "$OUT/tests.log" 2>&1
 echo "tests rc $?" >> "$OUT/tests.log"
 if [ -z "${SKIP_FORWARD:-}" ]; then  # SKIP_FORWARD=1: the suites and forward + backward only
-  timeout "${FWD_S:-150}" python bench/kernels/bench_kda.py --no-sweep --methods "kda_edu chunk_kda" \
+  timeout "${FWD_S:-150}" python -m bench.kernels.bench_kda --no-sweep --methods "kda_edu chunk_kda" \
       "fla chunk_kda" --build "${BUILD:-unknown}" --out "$OUT/h200_forward_split.json" > "$OUT/fwd.log" 2>&1
   echo "forward rc $?" >> "$OUT/fwd.log"
 fi
 cp bench/results/h200_fwd_bwd.json "$OUT/h200_fwd_bwd.json"
-timeout "${BWD_S:-240}" python bench/kernels/bench_kda_bwd.py --out "$OUT/h200_fwd_bwd.json" \
+timeout "${BWD_S:-240}" python -m bench.kernels.bench_kda_bwd --out "$OUT/h200_fwd_bwd.json" \
     --build "${BUILD:-unknown}" ${SHAPES:+--shapes $SHAPES} > "$OUT/bwd.log" 2>&1
 echo "bench rc $?" >> "$OUT/bwd.log"
 (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/autotune.tgz" -T -)

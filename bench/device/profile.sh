@@ -8,6 +8,6 @@ SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --sec
 for what in forward fwd_bwd; do
   extra=(); [ "$what" = fwd_bwd ] && extra=(--backward)
   ncu --profile-from-start off --clock-control none --csv --page raw "${SECTIONS[@]}" \
-      --log-file "$OUT/ncu_$what.log" python bench/kernels/profile_ncu.py --shape "${SHAPE[@]}" "${extra[@]}"
-  python bench/kernels/profile_ncu.py --summarize "$OUT/ncu_$what.log" --out "$OUT/ncu_$what.json"
+      --log-file "$OUT/ncu_$what.log" python -m bench.kernels.profile_ncu --shape "${SHAPE[@]}" "${extra[@]}"
+  python -m bench.kernels.profile_ncu --summarize "$OUT/ncu_$what.log" --out "$OUT/ncu_$what.json"
 done

@@ -8,9 +8,9 @@ SHAPE=(${@:-1 8192 32})
 SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats)
 timeout "${PROFILE_S:-240}" ncu --profile-from-start off --clock-control none --csv --page raw "${SECTIONS[@]}" \
-    --log-file "$OUT/ncu_ours.log" python bench/kernels/profile_ncu.py --shape "${SHAPE[@]}" --backward \
+    --log-file "$OUT/ncu_ours.log" python -m bench.kernels.profile_ncu --shape "${SHAPE[@]}" --backward \
     --methods kda_edu
-python bench/kernels/profile_ncu.py --summarize "$OUT/ncu_ours.log" --out "$OUT/ncu_ours.json" > "$OUT/ncu_summary.txt"
+python -m bench.kernels.profile_ncu --summarize "$OUT/ncu_ours.log" --out "$OUT/ncu_ours.json" > "$OUT/ncu_summary.txt"
 cat "$OUT/ncu_summary.txt"
 timeout "${TEST_S:-200}" python -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_chunk.py \
     tests/kernels/test_chunk_varlen.py tests/kernels/test_numerics.py tests/kernels/test_chunk_bwd.py \

@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
-export PYTHONPATH="$PWD:$PWD/bench:$PWD/tests:$PYTHONPATH"
+export PYTHONPATH="$PWD:$PWD/tests:$PYTHONPATH"
 OUT=${OUT:?set OUT}
 r=$(mktemp -d)
 mkdir -p "$r/results"

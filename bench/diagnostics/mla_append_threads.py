@@ -7,7 +7,7 @@ far smaller, and more threads shrink it further (they speed up MHA mode's large 
 Each run is a fresh process (the fastest of 10 appends per mode, as the chapter does); the results are
 appended to bench/results/mla_append_threads.json under a machine label, which the chapter reads.
 
-    python bench/diagnostics/mla_append_threads.py --label "2-core CI-like CPU" --runs 10 --threads 1
+    python -m bench.diagnostics.mla_append_threads --label "2-core CI-like CPU" --runs 10 --threads 1
 """
 
 import argparse
@@ -15,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+
+from bench.common import write_result
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RESULT = os.path.join(ROOT, "bench", "results", "mla_append_threads.json")
@@ -60,8 +62,7 @@ def main() -> None:
             print(
                 f"{threads} thread(s): MHA {t['mha'] * 1e3:.2f} ms, MQA {t['mqa'] * 1e3:.2f} ms, ratio {row['ratio']:.2f}"
             )
-    with open(RESULT, "w") as f:
-        json.dump(data, f, indent=1)
+    write_result(RESULT, data)
 
 
 if __name__ == "__main__":

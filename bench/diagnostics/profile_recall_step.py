@@ -1,6 +1,6 @@
 """Where a training step of the GPU recall preset spends its time, per mixer (chapter 12).
 
-    python bench/diagnostics/profile_recall_step.py --task mqar --seq-len 1024 [--kernel-dtypes float32,bfloat16] [--trace]
+    python -m bench.diagnostics.profile_recall_step --task mqar --seq-len 1024 [--kernel-dtypes float32,bfloat16] [--trace]
 
 For every mixer of the preset (and, for the delta-rule mixers, every kernel dtype asked for) it builds the
 preset's model and optimizer and reports, in milliseconds per step:
@@ -13,12 +13,12 @@ Prints a table and writes JSON to `--out` when given. Not a test: a measurement 
 """
 
 import argparse
-import json
 import time
 from dataclasses import replace
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, task_for
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, MixerConfig
 from kda_edu.models.recall import RecallConfig, RecallLM
@@ -111,8 +111,7 @@ def main() -> None:
             print(f"{kind:<16}{dtype:<10}{row['sample']:>8}{row['forward']:>9}{row['backward']:>9}"
                   f"{row['optimizer']:>8}{row['loop']:>8}{row['graph loop']:>8}", flush=True)  # fmt: skip
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
+        write_result(args.out, {"device": torch.cuda.get_device_name(0), "rows": rows})
 
 
 if __name__ == "__main__":

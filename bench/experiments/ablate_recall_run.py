@@ -23,7 +23,7 @@ configuration and held-out history, are merged into --out (JSON), so variants ca
 `--repeat N` trains each variant N times (keys "preset", "preset#2", ...): the same seed and code, so any
 spread between them is the GPU path's run-to-run nondeterminism (the deterministic variant is its control).
 
-    python bench/experiments/ablate_recall_run.py --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
+    python -m bench.experiments.ablate_recall_run --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
         --variants preset no_graph fp32_kernel torch_backend --out bench/results/ablate_gdn_palindrome128.json
 """
 
@@ -37,6 +37,7 @@ from dataclasses import asdict
 import torch
 
 import kda_edu.training.train as train_module
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import train
 
@@ -115,8 +116,7 @@ def main() -> None:
             data["runs"][variant] = record
             losses = [round(h["eval_loss"], 3) for h in record["history"]]
             print(f"{variant}: final acc {record['final_acc']:.3f}, eval loss {losses}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
+    write_result(args.out, data)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ invocations and do not on later ones).
 Export the builds first (git-ignored folders `.builds/<commit>/kda_edu`), then run one process per build:
 
     bash bench/device/export_builds.sh <commit> [<commit> ...]
-    python bench/experiments/bisect_recall_run.py --build .builds/<commit> --task palindrome --seq-len 128 \\
+    python -m bench.experiments.bisect_recall_run --build .builds/<commit> --task palindrome --seq-len 128 \\
         --mixer gated_deltanet --lr 1e-3 --out $OUT/bisect_<commit>.json
 
 Each build trains with its own `run_one` and its own "gpu" preset, exactly as that build's sweep did. Builds
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.optim.optimizer as optimizer_hooks
+
+from bench.common import write_result
 
 
 def load_build(build: Path):
@@ -211,7 +213,7 @@ def main() -> None:
     }
     if args.watch:
         out["watch"] = {"steps": preset["train"]["steps"], "cuda_graph": False, "first non-finite": events}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_result(Path(args.out), out)
     losses = [round(h["eval_loss"], 3) for h in record["history"]]
     print(f"{commit}: final acc {record['final_acc']:.3f}, best {record['best_acc']:.3f}, eval loss {losses}")
     if args.watch:

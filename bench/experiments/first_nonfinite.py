@@ -14,9 +14,9 @@ finite it restores the state from before that step, runs it again with hooks, an
 
 Writes JSON (`--out`): the spec, the per-step trace, and the finding (or that all `--steps` stayed finite).
 
-    python bench/experiments/first_nonfinite.py --task mqar --seq-len 1024 --mixer deltanet --lr 3e-3 \\
+    python -m bench.experiments.first_nonfinite --task mqar --seq-len 1024 --mixer deltanet --lr 3e-3 \\
         --steps 200 --device cpu --backend torch --out bench/results/nonfinite_deltanet_mqar1024.json
-    python bench/experiments/first_nonfinite.py ... --device cuda            # the sweep's GPU path (bf16 kernel)
+    python -m bench.experiments.first_nonfinite ... --device cuda            # the sweep's GPU path (bf16 kernel)
 """
 
 import argparse
@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import (
     build_model,
@@ -177,8 +178,7 @@ def main() -> None:
         print("first non-finite:", json.dumps(finding), flush=True)
         break
     record["seconds"] = round(time.perf_counter() - t0, 1)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    write_result(args.out, record)
     if record["finding"] is None:
         print(f"all {len(record['trace'])} steps finite ({record['seconds']} s)")
 

@@ -9,21 +9,21 @@ head, the gate's values and the error of the run's gate gradients against a floa
 held-out accuracy of the same evaluation sits beside it, so the step where the collapse starts can be read
 against the gradient error of each head.
 
-    python bench/experiments/gate_probe_run.py --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
+    python -m bench.experiments.gate_probe_run --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
         --out $OUT/gate_probe_gdn_palindrome128.json            # on the GPU: the sweep's run (a few minutes)
-    python bench/experiments/gate_probe_run.py --preset cpu --device cpu --task mqar --seq-len 64 \\
+    python -m bench.experiments.gate_probe_run --preset cpu --device cpu --task mqar --seq-len 64 \\
         --mixer gated_deltanet --lr 1e-3 --steps 40 --out /tmp/probe.json   # a smoke test on a CPU
 """
 
 import argparse
 import dataclasses
-import json
 import os
 import tempfile
 import time
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.probes import gate_gradient_probe
 from kda_edu.training.train import train
@@ -92,8 +92,7 @@ def main() -> None:
                 flush=True,
             )
             record["seconds"] = round(time.perf_counter() - t0, 1)
-            with open(args.out, "w") as f:  # after every segment: a run cut short keeps its probes
-                json.dump(record, f, indent=1)
+            write_result(args.out, record)  # after every segment: a run cut short keeps its probes
 
 
 if __name__ == "__main__":

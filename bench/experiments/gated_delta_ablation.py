@@ -4,15 +4,15 @@ chapter 4's document task (`kda_edu.chapters.ch04_gated_delta_ablation`).
 Writes bench/results/gated_delta_ablation.json (or $OUT/gated_delta_ablation.json when OUT is set): for every
 task, seed and model, the error at the model's best gate of the grid and that gate.
 
-Run: PYTHONPATH=$PWD python bench/experiments/gated_delta_ablation.py [--seeds 5] [--batch 64]  (CPU, about a minute of CPU
+Run: python -m bench.experiments.gated_delta_ablation [--seeds 5] [--batch 64]  (CPU, about a minute of CPU
 time per seed at the defaults).
 """
 
 import argparse
-import json
 import os
 from pathlib import Path
 
+from bench.common import write_result
 from kda_edu.chapters.ch04_gated_delta_ablation import GRID, ablation, document_task, rewrite_task
 
 
@@ -30,7 +30,7 @@ def main():
             print(seed, name, {m: round(d["error"], 3) for m, d in r.items()}, flush=True)
     out = Path(os.environ.get("OUT", "bench/results")) / "gated_delta_ablation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(grid=GRID, batch=a.batch, results=results), indent=1))
+    write_result(out, dict(grid=GRID, batch=a.batch, results=results))
     print("wrote", out)
 
 

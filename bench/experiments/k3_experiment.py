@@ -4,13 +4,13 @@ active parameters, on associative recall (MQAR) and on real text (byte-level Pyt
 Every variant of `kda_edu.chapters.ch14_k3.K3_VARIANTS` is trained from the same seeds, with the same data and steps, on
 both tasks; the JSON keeps every run (held-out loss and accuracy, parameters total and active, seconds).
 
-    nice python bench/experiments/k3_experiment.py --task mqar --part 1/2   # the committed CPU runs: four processes
-    nice python bench/experiments/k3_experiment.py --task mqar --part 2/2   # (about 15 CPU-minutes together, one thread
-    nice python bench/experiments/k3_experiment.py --task text --part 1/2   # each), then
-    nice python bench/experiments/k3_experiment.py --task text --part 2/2
-    python bench/experiments/k3_experiment.py --merge                       # -> bench/results/k3_cpu_{mqar,text}.json
-    python bench/experiments/k3_experiment.py --quick                    # a smoke run
-    python bench/experiments/k3_experiment.py --gpu --budget-s 150 --out $OUT/k3_gpu.json   # larger models, one GPU
+    nice python -m bench.experiments.k3_experiment --task mqar --part 1/2   # the committed CPU runs: four processes
+    nice python -m bench.experiments.k3_experiment --task mqar --part 2/2   # (about 15 CPU-minutes together, one thread
+    nice python -m bench.experiments.k3_experiment --task text --part 1/2   # each), then
+    nice python -m bench.experiments.k3_experiment --task text --part 2/2
+    python -m bench.experiments.k3_experiment --merge                       # -> bench/results/k3_cpu_{mqar,text}.json
+    python -m bench.experiments.k3_experiment --quick                    # a smoke run
+    python -m bench.experiments.k3_experiment --gpu --budget-s 150 --out $OUT/k3_gpu.json   # larger models, one GPU
 """
 
 import argparse
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch14_k3 import K3_VARIANTS, TextTask, stdlib_bytes, train_hybrid, variant_config
 from kda_edu.layers.ffn import FFNConfig
 from kda_edu.layers.kda_layer import KDAConfig
@@ -149,7 +150,7 @@ def write(out: Path, mode: str, size: dict, start: float, cpu_start: float, devi
         "runs": runs,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(out, result)
 
 
 def merge() -> None:
@@ -165,7 +166,7 @@ def merge() -> None:
         merged["cpu_seconds"] = sum(r["cpu_seconds"] for r in loaded)
         merged["total_seconds"] = max(r["total_seconds"] for r in loaded)
         merged["parts"] = len(loaded)
-        (results / f"k3_cpu_{task}.json").write_text(json.dumps(merged, indent=1))
+        write_result((results / f"k3_cpu_{task}.json"), merged)
         for p in parts:
             p.unlink()
         print(f"merged {len(parts)} parts into bench/results/k3_cpu_{task}.json ({len(merged['runs'])} runs)")

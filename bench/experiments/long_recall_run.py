@@ -12,7 +12,7 @@ graph is recorded again after a resume). The script stops before `--deadline-min
 segments it has timed, and writes --out (JSON) after every segment: the configuration, the history so far,
 `steps_done` and `finished`.
 
-    python bench/experiments/long_recall_run.py --task mqar --seq-len 1024 --mixer kda --lr 1e-3 --steps 6000 \\
+    python -m bench.experiments.long_recall_run --task mqar --seq-len 1024 --mixer kda --lr 1e-3 --steps 6000 \\
         --checkpoint .ckpt/kda_mqar1024_x4.safetensors --deadline-minutes 8 --out $OUT/long_kda_mqar1024_x4.json
 
 Carry the checkpoint's folder (git-ignored) to the next call and run the same command again to continue.
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import train
 
@@ -115,7 +116,7 @@ def main() -> None:
         record["steps_done"] = steps_done
         record["finished"] = steps_done >= config.steps
         record["final_acc"] = result.history[-1]["eval_acc"]
-        args.out.write_text(json.dumps(record, indent=1))
+        write_result(args.out, record)
         print(
             f"{spec} steps {steps_done}/{config.steps}: held-out acc {record['final_acc']:.3f}, "
             f"loss {result.history[-1]['eval_loss']:.3f} ({record['segments'][-1]['seconds']:.0f} s)",

@@ -10,15 +10,15 @@ repeat; the report lists, in execution order, the first module whose output diff
 gradients differ, with the largest difference. `--deterministic` switches torch's deterministic algorithms
 on, as a control: nothing should differ then.
 
-    python bench/experiments/nondeterminism_probe.py --task mqar --seq-len 256 --mixer kda --out $OUT/nondet.json
+    python -m bench.experiments.nondeterminism_probe --task mqar --seq-len 256 --mixer kda --out $OUT/nondet.json
 """
 
 import argparse
-import json
 import os
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import build_model, data_seed, masked_loss_and_accuracy
 
@@ -93,8 +93,7 @@ def main() -> None:
     report["differing_grads"] = sorted(
         (n for n, d in report["grads"].items() if d > 0), key=lambda n: -report["grads"][n]
     )
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(args.out, report)
     print(f"losses {report['losses']}")
     print(f"first module whose output differs: {report['first_differing_output']}")
     for n in report["differing_grads"][:12]:

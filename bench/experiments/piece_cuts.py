@@ -3,27 +3,24 @@
 `chunk_kda_fwd` cuts the time axis into equal pieces (`time_pieces`) and runs each piece's scan beside the next
 piece's prepare kernels. Only the last piece's scan runs alone, after every prepare kernel: a shorter last piece
 shortens that tail, and pieces that shrink towards the end keep each scan about as long as the prepare kernels
-it runs beside. This times the forward (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs, with an initial
+it runs beside. This times the forward (bf16, K = V = 128, `bench.common.kda_inputs`, with an initial
 state and the final state) for several cuts, each given as chunks per piece, at 2 and 3 pipeline stages of
 the scan, beside the default (`time_pieces`, `pass_stages`). Each output must equal the one-piece forward's
 bit for bit (the same code per chunk; the state crosses pieces in float32): a difference fails the script.
 
     source bench/device/env.sh
-    python bench/experiments/piece_cuts.py --out $OUT/piece_cuts.json
+    python -m bench.experiments.piece_cuts --out $OUT/piece_cuts.json
 """
 
 import argparse
-import json
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+import torch
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-from bench_kda import D, make_inputs  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from kda_edu.kernels import chunk_common, chunk_fwd  # noqa: E402
+from bench.common import kda_inputs, write_result
+from bench.kernels.bench_kda import D
+from kda_edu.kernels import chunk_common, chunk_fwd
 
 # chunks per piece, first piece first; None: the default cut
 CUTS = {
@@ -38,7 +35,7 @@ def main():
     args = ap.parse_args()
     rows, failed = [], False
     for (B, T, H), cuts in CUTS.items():
-        x = make_inputs(B, T, H)
+        x = kda_inputs(B, T, H, D)
         h0 = torch.randn(B, H, D, D, device="cuda")
         fwd_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, h0, True)
         ref_o, ref_h = chunk_fwd.chunk_kda_fwd(*fwd_args, pieces=1)
@@ -66,8 +63,7 @@ def main():
                     "" if same else "DIFFERS",
                 )
                 failed |= not same
-                with open(args.out, "w") as f:
-                    json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+                write_result(args.out, dict(device=torch.cuda.get_device_name(), rows=rows))
         del x, h0, fwd_args, ref_o, ref_h
         torch.cuda.empty_cache()
     sys.exit(1 if failed else 0)

@@ -11,7 +11,7 @@ Softmax attention with no positional encoding starts out spreading each query ov
 that dilution is what slows it, its accuracy after a fixed number of steps falls with T at fixed P and barely
 moves with P at fixed T. A fixed-size state (DeltaNet, the control) should show the opposite: crowding by P.
 
-    python bench/experiments/recall_dilution.py --out bench/results/recall_dilution_cpu.json [--workers 2]
+    python -m bench.experiments.recall_dilution --out bench/results/recall_dilution_cpu.json [--workers 2]
 
 About 45 CPU-minutes in all (one thread per run); results are written after every run, and runs already in
 --out are skipped, so an interrupted run can be continued.
@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS
 from kda_edu.layers.mixers import MixerConfig
 from kda_edu.models.recall import RecallConfig
@@ -107,8 +108,7 @@ def main() -> None:
         for future in as_completed([pool.submit(run, s) for s in todo]):
             r = future.result()
             data["runs"] = sorted([*data["runs"], r], key=key)
-            with open(args.out, "w") as f:
-                json.dump(data, f, indent=1)
+            write_result(args.out, data)
             print(
                 f"{time.time() - begin:6.0f} s  {key(r)}  acc {r['final_acc']:.3f}  ({r['seconds']:.0f} s)",
                 flush=True,

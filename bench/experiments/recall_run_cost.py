@@ -1,8 +1,8 @@
 """What a recall-sweep run pays besides its training steps: one process per run, persistent workers, and
 several runs trained at the same time in one worker.
 
-    python bench/experiments/recall_run_cost.py --preset cpu --steps 20 --runs 4                  # this CPU
-    python bench/experiments/recall_run_cost.py --preset gpu --steps 150 --runs 3 --cell mqar:256 \
+    python -m bench.experiments.recall_run_cost --preset cpu --steps 20 --runs 4                  # this CPU
+    python -m bench.experiments.recall_run_cost --preset gpu --steps 150 --runs 3 --cell mqar:256 \
         --mixers kda --budget-s 140                                                               # one H200
 
 Trains the same few runs of a chapter 12 preset (its model and recipe, `--steps` steps instead of the preset's)
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, run_specs, warm_up_kernels
 
 LEGACY_WARM_UP = [(2, 128)]  # (batch, length) of the sweep's warm-up before warm_up_shapes
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = time_mode(preset, chosen, device, {"old": 1, "new": None}[mode], budget_end)
         result[mode] = {"rows": rows, "total_wall": time.perf_counter() - t0}
         result["compiled_kernels"][f"after_{mode}"] = compiled_kernels()
-        (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
+        write_result((out / "recall_run_cost.json"), result)
 
     old, new, together = (result.get(m, {"rows": []})["rows"] for m in ("old", "new", "together"))
     later = [r for r in new if r["run_index"] > 0]
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     result["summary"] = summary
     result["seconds"] = time.perf_counter() - t_start
-    (out / "recall_run_cost.json").write_text(json.dumps(result, indent=1))
+    write_result((out / "recall_run_cost.json"), result)
     print(json.dumps({**summary, "compiled_kernels": result["compiled_kernels"]}, indent=1))
     print(f"wrote {out / 'recall_run_cost.json'} ({result['seconds']:.0f} s)")
 

@@ -19,20 +19,17 @@ For each it records the first non-finite output token, the largest error against
 the state's norm after every chunk; for the inverses, their largest error against float64 over the sequence's
 16-row blocks.
 
-    python bench/experiments/replay_nonfinite.py --build .builds/3590420 \\
+    python -m bench.experiments.replay_nonfinite --build .builds/3590420 \\
         --capture bench/results/capture_deltanet_mqar1024.pt --out bench/results/nonfinite_replay.json
 """
 
 import argparse
-import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bisect_recall_run import load_build  # noqa: E402
+from bench.common import write_result
+from bench.experiments.bisect_recall_run import load_build
 
 CHUNK, BLOCK = 64, 16
 
@@ -239,7 +236,7 @@ def main() -> None:
         result["build kernel (interpreter, float32 products)"] = {
             "first non-finite token": first_nonfinite(o[0]),
         }
-    args.out.write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Experiment on a GPU: the value block of the passes over the chunks, and bfloat16 w/u products.
 
-Two questions, one process, bf16, K = V = 128, the headline shapes of bench/kernels/bench_kda.py:
+Two questions, one process, bf16, K = V = 128, the headline shapes of bench.kernels.bench_kda:
 
 1. Waves. `_chunk_scan_kernel` and the backward's `_states_kernel` / `_dstates_kernel` run one program per
    (value block, sequence x value head), each a chain over all the sequence's chunks, one program per
@@ -14,25 +14,22 @@ Two questions, one process, bf16, K = V = 128, the headline shapes of bench/kern
    moves from the default (relative norm) at each shape and from a float64 loop at a small one.
 
     source bench/device/env.sh
-    python bench/experiments/scan_waves.py --out $OUT/scan_waves.json [--shapes 1,8192,32 8,4096,16]
+    python -m bench.experiments.scan_waves --out $OUT/scan_waves.json [--shapes 1,8192,32 8,4096,16]
 
 A variant that fails (to compile, to run) is recorded with its error. The JSON is written after every row.
 """
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+import torch
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-from bench_kda import HEADLINE, D, make_inputs, run_environment  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from kda_edu.kernels.chunk_bwd import chunk_kda_bwd  # noqa: E402
-from kda_edu.kernels.chunk_fwd import chunk_kda_fwd  # noqa: E402
-from kda_edu.ops.kda import kda_recurrent  # noqa: E402
+from bench.common import kda_inputs, run_environment, write_result
+from bench.kernels.bench_kda import HEADLINE, D
+from kda_edu.kernels.chunk_bwd import chunk_kda_bwd
+from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
+from kda_edu.ops.kda import kda_recurrent
 
 FWD = [dict()] + [dict(bv=bv, warps_scan=w) for bv in (16, 32, 64, 128) for w in (4, 8)]
 BWD = [dict(), dict(bv=32), dict(bv=64), dict(bv=128)]
@@ -49,8 +46,7 @@ def rel(a, b):
 def record(result, path, row):
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(path, result)
 
 
 def attempt(fn):
@@ -62,7 +58,7 @@ def attempt(fn):
 
 def small_error():
     """Relative error of o against a float64 loop at (1, 1024, 4), default and bf16 w/u products."""
-    x = make_inputs(1, 1024, 4, seed=1)
+    x = kda_inputs(1, 1024, 4, D, seed=1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     ref = kda_recurrent(*(t.double().cpu() for t in args), scale=D**-0.5)[0]
     out = {}
@@ -87,7 +83,7 @@ def main():
 
 
 def one_shape(result, path, B, T, H, bwd):
-    x = make_inputs(B, T, H)
+    x = kda_inputs(B, T, H, D)
     call = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, False)
     o_ref = chunk_kda_fwd(*call)[0]
 

@@ -1,30 +1,27 @@
 """Experiment on a GPU: the forward cut into pieces of the time axis, each piece's scan on a side
 stream beside the next piece's prepare kernels (`kda_edu.kernels.chunk_launch.time_pieces`, `chunk_kda_fwd`).
 
-At each shape (bf16, K = V = 128, bench/kernels/bench_kda.py's inputs): the forward's median time for 1, 2, 4
+At each shape (bf16, K = V = 128, `bench.common.kda_inputs`): the forward's median time for 1, 2, 4
 and 8 pieces, how far o and the final state move from one piece (relative norm; expected 0: the same kernel
 code per chunk, the state crossing pieces in float32), and a CUDA-graph capture and replay of the default
 forward against eager; at the two smaller shapes the forward + backward step, recomputed and kept, in one
 piece and in the default pieces. "default" is `time_pieces`' choice (at (8, 4096, 16): pieces of two sequences).
 
     source bench/device/env.sh
-    python bench/experiments/time_pieces.py --out $OUT/time_pieces.json [--shapes 1,8192,32 ...]
+    python -m bench.experiments.time_pieces --out $OUT/time_pieces.json [--shapes 1,8192,32 ...]
 """
 
 import argparse
 import functools
 import json
-import os
-import sys
 from unittest import mock
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+import torch
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-from bench_kda import HEADLINE, D, make_inputs, run_environment  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from kda_edu.kernels import chunk, chunk_common, chunk_fwd, chunk_launch  # noqa: E402
+from bench.common import kda_inputs, run_environment, write_result
+from bench.kernels.bench_kda import HEADLINE, D
+from kda_edu.kernels import chunk, chunk_common, chunk_fwd, chunk_launch
 
 COUNTS = (1, 2, 4, 8, None)  # pieces of the time axis; None: `time_pieces`' choice ("default")
 
@@ -34,7 +31,7 @@ def rel(a, b):
 
 
 def one_shape(B, T, H):
-    x = make_inputs(B, T, H)
+    x = kda_inputs(B, T, H, D)
     h0 = torch.randn(B, H, D, D, device="cuda")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, h0, True)
     ref_o, ref_h = chunk_fwd.chunk_kda_fwd(*args, pieces=1)
@@ -56,7 +53,7 @@ def one_shape(B, T, H):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out = chunk_fwd.chunk_kda_fwd(*static, *args[5:])
-    fresh = make_inputs(B, T, H, seed=1)
+    fresh = kda_inputs(B, T, H, D, seed=1)
     for s, name in zip(static, ("q", "k", "v", "g", "beta"), strict=True):
         s.copy_(fresh[name])
     graph.replay()
@@ -69,11 +66,10 @@ def one_shape(B, T, H):
 
 
 def step_times(B, T, H):
-    """Forward + backward of sum(o * do) (bench_kda_bwd.py's step), recomputed and kept, with the forward in
+    """Forward + backward of sum(o * do) (bench.kernels.bench_kda_bwd's step), recomputed and kept, with the forward in
     one piece or in `time_pieces`' default pieces. (The backward in pieces, its state passes on the side
     stream, gained nothing: they could not run beside the chunk-local kernels; the backward runs in one piece.)"""
-    from bench_kda_bwd import make_inputs as step_inputs
-
+    from bench.kernels.bench_kda_bwd import make_inputs as step_inputs
     from kda_edu.kernels import chunk_bwd
 
     xs, do = step_inputs(B, T, H)
@@ -114,8 +110,7 @@ def main():
             row = dict(shape=(B, T, H), error=f"{type(e).__name__}: {str(e)[:400]}")
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, result)
         torch.cuda.empty_cache()
 
 

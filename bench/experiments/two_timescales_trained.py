@@ -5,12 +5,11 @@ all with K x V numbers of state) on episodes whose key basis is rotated, so the 
 put facts and scratch items on different channels. Writes bench/results/two_timescales_trained.json (or
 $OUT/two_timescales_trained.json when OUT is set) with every run's held-out errors and learned gates.
 
-Run: PYTHONPATH=$PWD python bench/experiments/two_timescales_trained.py [--steps 200] [--seeds 3]  (CPU, about 100 s of
+Run: python -m bench.experiments.two_timescales_trained [--steps 200] [--seeds 3]  (CPU, about 100 s of
 CPU time at the defaults, one process per run).
 """
 
 import argparse
-import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch05_two_timescales import train_learned_memory
 
 MODELS = {"GDN, 1 head": (1, False), "GDN, 2 heads": (2, False), "KDA": (1, True)}
@@ -44,7 +44,7 @@ def main():
         runs = list(pool.map(run, jobs))
     out = Path(os.environ.get("OUT", "bench/results")) / "two_timescales_trained.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(steps=a.steps, runs=runs), indent=1))
+    write_result(out, dict(steps=a.steps, runs=runs))
     for r in runs:
         print(
             f"{r['model']:13} seed {r['seed']}: facts {r['fact']:.3f} recent {r['recent']:.3f} mean {r['mean']:.3f}"

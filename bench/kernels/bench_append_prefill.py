@@ -26,12 +26,11 @@ max(FLOPs / matmul rate, bytes / copy bandwidth), with both rates measured at th
 Time. 18 append points and 6 prefill points; the slowest is absorbed mode at n = 4096, S = 131072 (37 TFLOP of attention, tens to
 hundreds of ms a call); about a minute in all with compilation, under 3 minutes on one H200.
 
-    python bench/kernels/bench_append_prefill.py                    # GPU; writes $OUT/h200_append_prefill.json
-    python bench/kernels/bench_append_prefill.py --smoke --out DIR   # tiny sizes on the CPU, checks the logic
+    python -m bench.kernels.bench_append_prefill                    # GPU; writes $OUT/h200_append_prefill.json
+    python -m bench.kernels.bench_append_prefill --smoke --out DIR   # tiny sizes on the CPU, checks the logic
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from kda_edu.layers.kda_layer import KDAConfig, KDALayer
 from kda_edu.layers.mla import MLA, MLAConfig
 from kda_edu.models.costs import KIMI_LINEAR_48B, kda_token_cost, mla_token_cost
@@ -247,7 +247,7 @@ def main() -> None:
         "seconds": time.perf_counter() - began,
     }
     path = out_dir / FILENAME
-    path.write_text(json.dumps(result, indent=1))
+    write_result(path, result)
     print(f"wrote {path} in {result['seconds']:.0f} s")
 
 

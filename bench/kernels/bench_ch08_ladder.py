@@ -15,11 +15,10 @@ text), its errors and the registers of its compiled kernels (`info=`), each shap
 About a minute or two on an H200, most of it compiling (the timed calls are bounded by do_bench's 100 ms
 budget each).
 
-    OUT=bench/results python bench/kernels/bench_ch08_ladder.py
+    OUT=bench/results python -m bench.kernels.bench_ch08_ladder
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,11 +26,13 @@ import time
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import make_inputs, run_environment  # noqa: E402  (the forward benchmark's inputs, so the times compare)
-
-from kda_edu.chapters.ch08_chunk_kernel import LADDER  # noqa: E402
-from kda_edu.ops.kda import kda_recurrent  # noqa: E402
+from bench.common import (  # the forward benchmark's inputs: the times compare
+    kda_inputs,
+    run_environment,
+    write_result,
+)
+from kda_edu.chapters.ch08_chunk_kernel import LADDER
+from kda_edu.ops.kda import kda_recurrent
 
 SHAPES = [(1, 8192, 32), (8, 4096, 16)]
 CHECK_SHAPE = dict(B=2, T=200, H=2, HV=4, K=128, V=128)
@@ -73,7 +74,7 @@ def main():
         dtype="bfloat16",
         K=128,
         V=128,
-        inputs="bench/kernels/bench_kda.py make_inputs: HV = H, bf16 q, k, v, beta; g in [-5, 0] float32",
+        inputs="bench/common.py kda_inputs: HV = H, bf16 q, k, v, beta; g in [-5, 0] float32",
         check_shape=CHECK_SHAPE,
         tolerance=TOL,
         steps=[],
@@ -87,7 +88,7 @@ def main():
             step["errors"] = errors = {dt: check(launcher, dt) for dt in TOL}
             step["passed"] = all(e <= TOL[dt] for dt, errs in errors.items() for e in errs.values())
             if step["passed"]:
-                x = make_inputs(1, 1024, 4)  # registers and spills of the kernels compiled for K = V = 128
+                x = kda_inputs(1, 1024, 4)  # registers and spills of the kernels compiled for K = V = 128
                 launcher(
                     *(x[n] for n in ("q", "k", "v", "g", "beta")),
                     128**-0.5,
@@ -105,7 +106,7 @@ def main():
             flush=True,
         )
     for B, T, H in SHAPES:
-        x = make_inputs(B, T, H)
+        x = kda_inputs(B, T, H)
         call = [x[n] for n in ("q", "k", "v", "g", "beta")] + [128**-0.5, None, False]
         row = dict(B=B, T=T, H=H, ms={}, first_call_s={})
         for name in passed:
@@ -122,9 +123,7 @@ def main():
         )
         del x, call
         torch.cuda.empty_cache()
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:  # after every shape: a call cut short keeps what it measured
-            json.dump(result, f, indent=1)
+        write_result(args.out, result)  # after every shape: a call cut short keeps what it measured
         print(f"wrote {args.out}")
     if len(passed) < len(LADDER):
         sys.exit(1)

@@ -7,7 +7,7 @@ timing a large device-to-device copy.
 
 Run on a CUDA machine with fla installed (``fla-core``)::
 
-    python bench/kernels/bench_decode.py --out bench/results/h200_decode.json
+    python -m bench.kernels.bench_decode --out bench/results/h200_decode.json
 
 It checks both kernels against a float64 step first, times with ``triton.testing.do_bench``
 (medians), sweeps the kernel's (value block, warps) choices to show where the default sits, and
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from bench.common import write_result
 from kda_edu.kernels import fused_recurrent_kda
 from kda_edu.kernels.fused_recurrent import default_config, fused_recurrent_fwd
 
@@ -202,8 +203,7 @@ def main():
         "small_batches": small,
         "checks_rel_err": checks,
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result)
     print(f"\n{'':16s}{'ms':>9s}{'x floor':>9s}")
     print(f"{'floor':16s}{floor_ms:9.4f}{1.0:9.2f}")
     for name, t in times.items():

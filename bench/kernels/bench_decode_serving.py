@@ -24,13 +24,12 @@ at 4 TB/s, so timing is short; filling the pools with random numbers and compili
 dominate. Expected 1-2 minutes on one H200; after `--time-limit-s` (130 s) the remaining points are recorded
 as skipped. A point that runs out of memory is skipped and the run goes on.
 
-    python bench/kernels/bench_decode_serving.py                     # GPU; writes $OUT/h200_decode_serving.json
-    python bench/kernels/bench_decode_serving.py --smoke --out DIR    # tiny sizes on the CPU, checks the logic
+    python -m bench.kernels.bench_decode_serving                     # GPU; writes $OUT/h200_decode_serving.json
+    python -m bench.kernels.bench_decode_serving --smoke --out DIR    # tiny sizes on the CPU, checks the logic
 """
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch13_inference import decode_bytes_per_step
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
@@ -278,7 +278,7 @@ def main() -> None:
         "seconds": time.perf_counter() - began,
     }
     path = out_dir / FILENAME
-    path.write_text(json.dumps(result, indent=1))
+    write_result(path, result)
     print(f"wrote {path} in {result['seconds']:.0f} s")
 
 

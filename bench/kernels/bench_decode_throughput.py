@@ -46,13 +46,12 @@ stays under 4 minutes even if the estimate is far off.
 Writes JSON (device, versions, configuration, one row per point) that chapter 13 reads from
 `bench/results/h200_decode_throughput.json`.
 
-    python bench/kernels/bench_decode_throughput.py                       # on the GPU machine
-    python bench/kernels/bench_decode_throughput.py --smoke --out /tmp/x.json   # tiny sizes, CPU, checks the logic
+    python -m bench.kernels.bench_decode_throughput                       # on the GPU machine
+    python -m bench.kernels.bench_decode_throughput --smoke --out /tmp/x.json   # tiny sizes, CPU, checks the logic
 """
 
 import argparse
 import gc
-import json
 import os
 import platform
 import time
@@ -60,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_result
 from kda_edu.chapters.ch13_inference import decode_row, decode_step_bytes, max_batch
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
@@ -242,7 +242,7 @@ def main() -> None:
         "rows": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(out, result)
     print(f"wrote {out} ({result['seconds']:.0f} s)")
 
 

@@ -33,15 +33,13 @@ Timings (`triton.testing.do_bench`, median, ms), all under torch.inference_mode(
   fla_in_kernel      fla chunk_kda on the raw inputs with its in-kernel gate, l2norm and sigmoid options
 fla autotunes about 90 s per new shape, so it runs only at --fla-shapes, after everything else.
 
-    python bench/kernels/bench_flashkda.py [--shapes 1x8192x32,...] [--fla-shapes 1x8192x96] [--out DIR]
+    python -m bench.kernels.bench_flashkda [--shapes 1x8192x32,...] [--fla-shapes 1x8192x96] [--out DIR]
 
 Writes DIR/h200_flashkda.json (DIR: --out, else $OUT, else bench/results) after every step.
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,11 +49,8 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla's own Triton path, never a Fl
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench" / "flashkda"))
-from bench_kda import run_environment  # noqa: E402  (this folder, the script's own)
-from flashkda import build_info, flashkda_fwd  # noqa: E402  (after the sys.path set-up above)
-
+from bench.common import ROOT, run_environment, write_result  # noqa: E402
+from bench.flashkda.flashkda import build_info, flashkda_fwd  # noqa: E402
 from kda_edu.kernels import chunk_kda  # noqa: E402
 from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize  # noqa: E402
 from kda_edu.ops.kda import kda_recurrent  # noqa: E402
@@ -192,7 +187,7 @@ class Report:
 
     def save(self):
         self.data["failures"] = self.failures
-        self.path.write_text(json.dumps(self.data, indent=1))
+        write_result(self.path, self.data)
 
 
 def small_check(rep):
@@ -268,13 +263,6 @@ def fla_step(rep, B, T, H):
         print(tag, name, round(row["ms"][name], 4), "ms", flush=True)
 
 
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
@@ -291,8 +279,7 @@ def main():
         Path(args.out) / "h200_flashkda.json",
         dict(
             **run_environment(),
-            fla=fla_version,
-            commit=git_commit(),
+            fla=fla_version,  # run_environment() gives the commit
             flashkda_build=build_info(),
             settings=dict(K=D, V=D, lower_bound=LOWER_BOUND, scale=SCALE, bound=BOUND, dtype="bfloat16"),
         ),

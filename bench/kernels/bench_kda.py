@@ -1,8 +1,8 @@
 """KDA forward on a GPU: kda_edu chunk_kda beside fla kernels, softmax attention and the PyTorch reference.
 
 For each shape (B, T, H), K = V = 128, bf16 inputs, every method in METHODS runs on the same random inputs
-(l2-normalised q and k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), a lower-bounded log-space gate
-g = -5 sigmoid(N(0, 1) - 2) in float32) and is timed with `triton.testing.do_bench` (median). Beside each
+(`bench.common.kda_inputs`: l2-normalised q and k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), a lower-bounded
+log-space gate g = -5 sigmoid(N(0, 1) - 2) in float32) and is timed with `triton.testing.do_bench` (median). Beside each
 time go the achieved bandwidth and arithmetic rate, against the ceilings measured in the same run:
 
   bytes  = what must move at least once: q, k, v, beta, o in bf16 and g in float32,
@@ -15,23 +15,20 @@ time go the achieved bandwidth and arithmetic rate, against the ceilings measure
 METHODS maps a name to a function (inputs dict -> callable to time, or a string saying why it is skipped);
 columns for forward+backward or decoding can be added as more entries.
 
-    python bench/kernels/bench_kda.py --out bench/results/h200_forward.json [--tune]
+    python -m bench.kernels.bench_kda --out bench/results/h200_forward.json [--tune]
 
 --tune also times the launcher's knobs (scan value block, prepare warps, scan pipeline depth) at the three
 headline shapes.
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench
 
+from bench.common import kda_inputs, run_environment, write_result
 from kda_edu.kernels import chunk_kda
 from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 from kda_edu.ops.kda import kda_chunked
@@ -41,33 +38,6 @@ D = 128
 C = 64
 HEADLINE = [(1, 8192, 32), (1, 32768, 32), (8, 4096, 16), (1, 131072, 16)]
 SWEEP = [(1, 1024 * 2**i, 16) for i in range(8)]  # T = 1K .. 128K
-
-
-def run_environment() -> dict:
-    """What every benchmark JSON records about the run: the date, the GPU and the versions."""
-    return dict(
-        date=datetime.date.today().isoformat(),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        python=platform.python_version(),
-    )
-
-
-def make_inputs(B, T, H, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    bf = torch.bfloat16
-    return dict(
-        q=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
-        k=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
-        v=randn(B, T, H, D).to(bf),
-        g=-5.0 * torch.sigmoid(randn(B, T, H, D) - 2.0),
-        beta=torch.sigmoid(randn(B, T, H)).to(bf),
-    )
 
 
 def _ours(x):
@@ -142,7 +112,7 @@ def ceilings():
 
 
 def bench_shape(B, T, H, copy_bw, mm_rate):
-    x = make_inputs(B, T, H)
+    x = kda_inputs(B, T, H, D)
     out = dict(B=B, T=T, H=H, K=D, V=D, methods={})
     for name, make in METHODS.items():
         fn = make(x)
@@ -176,7 +146,7 @@ def tune(shapes):
         + [dict(kc=16), dict(kc=64), dict(warps_prepare=(8, 1, 8)), dict(stages=3)]
     )
     for B, T, H in shapes:
-        x = make_inputs(B, T, H)
+        x = kda_inputs(B, T, H, D)
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, False)
         for kw in variants:
             ms = do_bench(
@@ -219,9 +189,7 @@ def main():
     if not args.no_sweep:
         for B, T, H in SWEEP:
             result["sweep"].append(bench_shape(B, T, H, copy_bw, mm_rate))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(args.out, result)
 
     names = list(METHODS)
     print(f"{'B':>2} {'T':>7} {'H':>3} | " + " | ".join(f"{n[:22]:>22}" for n in names))

@@ -1,6 +1,6 @@
 """KDA forward + backward on a GPU: kda_edu's Triton backward (chunk_kda) beside fla's.
 
-Inputs as in bench/kernels/bench_kda.py: bf16 l2-normalised q, k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), float32
+Inputs from `bench.common.kda_inputs`, as in bench_kda.py: bf16 l2-normalised q, k, v ~ N(0, 1), beta = sigmoid(N(0, 1)), float32
 log-space gate g = -5 sigmoid(N(0, 1) - 2); K = V = 128. One step = forward, then backward of sum(o * do) with
 a fixed random do; every input requires grad. Timed with `triton.testing.do_bench` (median), gradients reset
 to None between steps. Peak memory: `torch.cuda.max_memory_allocated` during one step, minus what was
@@ -9,8 +9,8 @@ relative difference of each of our gradients from fla's, and whether what the fo
 backward (`keep_intermediates`: the default "matrices"; "none", the "recomputed" rows; "all", the "kept"
 rows) changes any bit of them.
 
-    python bench/kernels/bench_kda_bwd.py --out bench/results/h200_fwd_bwd.json
-    python bench/kernels/bench_kda_bwd.py --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
+    python -m bench.kernels.bench_kda_bwd --out bench/results/h200_fwd_bwd.json
+    python -m bench.kernels.bench_kda_bwd --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
 
 All three shapes take more than 400 s on the H200 (fla autotunes at every shape); `--shapes` times some of
 them and keeps the other rows of an existing --out file.
@@ -22,9 +22,9 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench
 
+from bench.common import kda_inputs, write_result
 from kda_edu.kernels import chunk_kda
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
@@ -35,22 +35,12 @@ NAMES = ("q", "k", "v", "g", "beta")
 
 
 def make_inputs(B, T, H, seed=0):
+    """(`kda_inputs` requiring grad, the output gradient do ~ N(0, 1) in bf16). A wrapper rather than
+    `kda_inputs` itself because do is drawn from the same generator right after the inputs, so that the
+    inputs and do of a shape are the ones every earlier run of this benchmark used."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    bf = torch.bfloat16
-    x = dict(
-        q=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
-        k=F.normalize(randn(B, T, H, D), dim=-1).to(bf),
-        v=randn(B, T, H, D).to(bf),
-        g=-5.0 * torch.sigmoid(randn(B, T, H, D) - 2.0),
-        beta=torch.sigmoid(randn(B, T, H)).to(bf),
-    )
-    for t in x.values():
-        t.requires_grad_()
-    return x, randn(B, T, H, D).to(bf)
+    x = kda_inputs(B, T, H, D, generator=gen, requires_grad=True)
+    return x, torch.randn(B, T, H, D, device="cuda", generator=gen).to(torch.bfloat16)
 
 
 def _fla(x):
@@ -194,11 +184,9 @@ def main():
             row["inputs GiB"] = sum(t.numel() * t.element_size() for t in x.values()) / 2**30
         res["rows"] = [r for r in res["rows"] if (r["B"], r["T"], r["H"]) != (B, T, H)] + [row]
         print(json.dumps(row), flush=True)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         if {(r["B"], r["T"], r["H"]) for r in res["rows"]} >= set(TIMED):
             res.pop("note_partial", None)  # every shape is in: the file is no longer partial
-        with open(args.out, "w") as f:  # after every shape: a run cut short still leaves its rows
-            json.dump(res, f, indent=1)
+        write_result(args.out, res)  # after every shape: a run cut short still leaves its rows
         x = do = grads = None
         torch.cuda.empty_cache()
     print(f"{'B,T,H':>14} {'ours ms':>9} {'fla ms':>9} {'ratio':>6}")

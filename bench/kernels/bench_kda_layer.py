@@ -14,17 +14,16 @@ Layer: hidden 2048, 16 heads of 128 (Kimi Linear's head size), the softplus gate
 (-5, fla's `safe_gate`). fla autotunes its kernels at every new shape (80-95 s on an H200): one shape per
 call is the default.
 
-    python bench/kernels/bench_kda_layer.py --out $OUT/h200_kda_layer.json [--shapes 1,8192 8,4096]
+    python -m bench.kernels.bench_kda_layer --out $OUT/h200_kda_layer.json [--shapes 1,8192 8,4096]
 """
 
 import argparse
-import json
 import os
 
 import torch
-from bench_kda import run_environment  # this folder: the script runs as bench/kernels/bench_kda_layer.py
 from triton.testing import do_bench
 
+from bench.common import run_environment, write_result
 from kda_edu.layers.fla_compat import KimiDeltaAttention
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla's Triton path (FlashKDA is a forward-only inference kernel)
@@ -122,9 +121,7 @@ def main() -> None:
                 f"{row['kda_edu step peak GiB']:.2f} GiB, fla {row['fla step peak GiB']:.2f}",
                 flush=True,
             )
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "w") as f:  # after every row: a call cut short keeps what it measured
-                json.dump(result, f, indent=1)
+            write_result(args.out, result)  # after every row: a call cut short keeps what it measured
     if not all(r["agree"] for r in result["rows"]):
         raise SystemExit("the layers disagree beyond the tolerance: see the rows' rel diffs")
 

@@ -15,20 +15,20 @@ Every variant's outputs and gradients are compared with the default's first: the
 the tiles arrive, not what is computed, so they must be equal bit for bit (a difference is printed and the
 script exits 1). Results to JSON after every shape.
 
-    python bench/kernels/bench_pass_stages.py --out $OUT/h200_pass_stages.json
+    python -m bench.kernels.bench_pass_stages --out $OUT/h200_pass_stages.json
 """
 
 import argparse
 import datetime
-import json
 import sys
 from unittest import mock
 
 import torch
-from bench_kda_bwd import make_inputs, per_kernel_us, step
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
+from bench.common import write_result
+from bench.kernels.bench_kda_bwd import make_inputs, per_kernel_us, step
 from kda_edu.kernels import chunk, chunk_bwd, chunk_fwd, chunk_kda
 
 SHAPES = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32), (1, 131072, 16)]
@@ -127,8 +127,7 @@ def main():
             print("NOT EQUAL to the default:", bad, flush=True)
             failed = True
         res["rows"].append(row)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(args.out, res)
         del x, do, ref
         torch.cuda.empty_cache()
     sys.exit(1 if failed else 0)

@@ -1,6 +1,6 @@
 """The split prepare: the current kda_edu beside an older build and fla, in one process.
 
-At each shape (bench_kda.py's inputs, bf16, K = V = 128) it times with `triton.testing.do_bench` (median):
+At each shape (`bench.common.kda_inputs`, bf16, K = V = 128) it times with `triton.testing.do_bench` (median):
   * the forward of this checkout's kda_edu with its default knobs and with each of `VARIANTS` (prepare kernels'
     warps and key columns), and its prepare kernels alone (`chunk_kda_fwd(..., stop_after="prepare")`);
   * the forward and its prepare alone of an older build, imported as `kda_edu_old` from `--old` (a copy of
@@ -10,7 +10,7 @@ At each shape (bench_kda.py's inputs, bf16, K = V = 128) it times with `triton.t
   * CUDA time per kernel of one forward and one backward of this checkout (torch profiler).
 Registers and spills of each prepare kernel come from the launcher's `info`.
 
-    python bench/kernels/bench_prepare_split.py --old .builds/old --out $OUT/h200_prepare_split.json
+    python -m bench.kernels.bench_prepare_split --old .builds/old --out $OUT/h200_prepare_split.json
 """
 
 import argparse
@@ -20,11 +20,11 @@ import os
 import sys
 
 import torch
-from bench_kda import make_inputs, run_environment
-from bench_kda_bwd import kernel_times, per_kernel_us
-from bench_kda_bwd import make_inputs as make_grad_inputs
 from triton.testing import do_bench
 
+from bench.common import kda_inputs, run_environment, write_result
+from bench.kernels.bench_kda_bwd import kernel_times, per_kernel_us
+from bench.kernels.bench_kda_bwd import make_inputs as make_grad_inputs
 from kda_edu.kernels import chunk_kda
 from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
@@ -125,9 +125,9 @@ def main():
     res = dict(**run_environment(), rows=[])
     for shape in args.shapes:
         B, T, H = (int(s) for s in shape.split(","))
-        x = make_inputs(B, T, H)
+        x = kda_inputs(B, T, H)
         row = dict(B=B, T=T, H=H)
-        small = make_inputs(1, 1024, 4, seed=1)
+        small = kda_inputs(1, 1024, 4, seed=1)
         row["small shape for the error"] = [1, 1024, 4]
         variants = [{}] + ([] if args.no_variants else VARIANTS)
         row["current"] = forward_rows(x, chunk_kda_fwd, "current", variants, small)
@@ -143,8 +143,7 @@ def main():
         if not args.no_backward:
             row.update(fwd_bwd(B, T, H, fla_chunk_kda))
         res["rows"].append(row)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(args.out, res)
         torch.cuda.empty_cache()
     print(json.dumps(res, indent=1))
 

@@ -1,8 +1,8 @@
 """What one rank of a context-parallel KDA prefill computes, timed on one GPU (chapter 15's scaling model).
 
 For a sequence of `--tokens` tokens (default 2^20) split over n ranks, n = 1, 2, 4, ..., 64, one rank holds
-T = tokens / n. At H = 32, K = V = 128, bf16 q, k, v, beta and a float32 log-space gate (bench_kda.py's
-inputs), this times with `triton.testing.do_bench` (median):
+T = tokens / n. At H = 32, K = V = 128, bf16 q, k, v, beta and a float32 log-space gate
+(`bench.common.kda_inputs`), this times with `triton.testing.do_bench` (median):
 
 - `shard_fwd_ms`: `chunk_kda` on the shard from a given initial state, with its final state (what every
   scheme runs once per rank);
@@ -13,8 +13,8 @@ inputs), this times with `triton.testing.do_bench` (median):
 
 Communication cannot be measured on one GPU; the chapter takes bandwidths from public specifications.
 
-    python bench/kernels/cp_shard_costs.py                       # on one H200: writes $OUT/h200_cp_shard_costs.json
-    python bench/kernels/cp_shard_costs.py --tokens 512 --heads 1 --dim 16 --ranks 1 2  # CPU smoke (interpreter)
+    python -m bench.kernels.cp_shard_costs                       # on one H200: writes $OUT/h200_cp_shard_costs.json
+    python -m bench.kernels.cp_shard_costs --tokens 512 --heads 1 --dim 16 --ranks 1 2  # CPU smoke (interpreter)
 """
 
 import argparse
@@ -25,27 +25,12 @@ import platform
 import time
 
 import torch
-import torch.nn.functional as F
 
+from bench.common import kda_inputs, write_result
 from kda_edu.kernels import chunk_kda
 from kda_edu.parallel.context_parallel import fold_maps, shard_layout, shard_map
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def make_inputs(T, H, D, dtype, seed=0):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, device=DEVICE, generator=gen)
-
-    return dict(
-        q=F.normalize(randn(1, T, H, D), dim=-1).to(dtype),
-        k=F.normalize(randn(1, T, H, D), dim=-1).to(dtype),
-        v=randn(1, T, H, D).to(dtype),
-        g=-5.0 * torch.sigmoid(randn(1, T, H, D) - 2.0),
-        beta=torch.sigmoid(randn(1, T, H)).to(dtype),
-    )
 
 
 def bench(fn) -> float:
@@ -65,7 +50,7 @@ def bench(fn) -> float:
 
 def measure(tokens: int, n: int, H: int, D: int, dtype) -> dict:
     T = tokens // n
-    x = make_inputs(T, H, D, dtype)
+    x = kda_inputs(1, T, H, D, dtype=dtype, device=DEVICE)
     inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     h0 = torch.randn(1, H, D, D, device=DEVICE)
     row = {"n": n, "T": T}
@@ -125,8 +110,7 @@ def main():
             torch.cuda.empty_cache()
         result["rows"].append(row)
         print(json.dumps(row), f"({time.time() - start:.0f} s)", flush=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(out, result)
     print("wrote", out)
 
 

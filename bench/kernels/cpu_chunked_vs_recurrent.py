@@ -12,11 +12,10 @@ machine shared with other jobs PyTorch's thread pool can spend more time waking 
 (on a loaded 2-core machine two threads made both forms 10x slower).
 The load average before and after is recorded for the same reason.
 
-    .venv/bin/python bench/kernels/cpu_chunked_vs_recurrent.py [--repeats 7] [--threads 1,2]
+    .venv/bin/python -m bench.kernels.cpu_chunked_vs_recurrent [--repeats 7] [--threads 1,2]
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.common import write_result
 from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
 B, T, H, K, V = 1, 4096, 4, 64, 64
@@ -35,7 +35,12 @@ RESULT = Path(__file__).resolve().parents[1] / "results" / "cpu_chunked_vs_recur
 
 
 def make_inputs(seed: int = 0) -> dict:
-    """Inputs as a KDA layer produces them: unit-length q and k, gates in [-1, 0], beta in (0, 1)."""
+    """Inputs as a KDA layer produces them: unit-length q and k, gates in [-1, 0], beta in (0, 1), float32.
+
+    Not `bench.common.kda_inputs`: these are the inputs the published CPU numbers were measured on (uniform
+    gates and beta from the CPU's default generator, in float32, the references' own precision), and the
+    two references cost the same whatever the values, so the GPU benchmarks' distribution would buy nothing.
+    """
     gen = torch.Generator().manual_seed(seed)
     return dict(
         q=F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1),
@@ -120,8 +125,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULT, result, indent=2)
     print(f"wrote {RESULT}")
 
 

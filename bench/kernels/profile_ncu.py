@@ -9,8 +9,8 @@ a few times first and only then opens the profiler's range (cudaProfilerStart); 
     ncu --profile-from-start off --clock-control none --csv --page raw \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \\
-        python bench/kernels/profile_ncu.py --shape 1 8192 32 > $OUT/ncu_forward.csv
-    python bench/kernels/profile_ncu.py --summarize $OUT/ncu_forward.csv --out $OUT/ncu_forward.json
+        python -m bench.kernels.profile_ncu --shape 1 8192 32 > $OUT/ncu_forward.csv
+    python -m bench.kernels.profile_ncu --summarize $OUT/ncu_forward.csv --out $OUT/ncu_forward.json
 
 (`bench/device/profile.sh` runs both.) `--summarize` reads ncu's raw CSV and writes, per kernel launch, its
 duration, registers, shared memory, theoretical and achieved occupancy, the DRAM bytes and throughput, the SM
@@ -22,12 +22,13 @@ shape through the interpreter (a check of the script, not a profile).
 import argparse
 import csv
 import io
-import json
 import os
 import re
 import sys
 
 import torch
+
+from bench.common import kda_inputs, write_result
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla's Triton path, as every timing of ours compares against
 
@@ -85,21 +86,6 @@ def summarize(text: str) -> list[dict]:
     return launches
 
 
-def make_inputs(B, T, H, D, device, dtype):
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=gen)
-
-    return dict(
-        q=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1).to(dtype),
-        k=torch.nn.functional.normalize(randn(B, T, H, D), dim=-1).to(dtype),
-        v=randn(B, T, H, D).to(dtype),
-        g=-5.0 * torch.sigmoid(randn(B, T, H, D) - 2.0),  # the bound of KDA's gate, as bench_kda.py
-        beta=torch.sigmoid(randn(B, T, H)).to(dtype),
-    )
-
-
 def methods(x: dict, backward: bool, which=("kda_edu", "fla")) -> dict:
     """name -> a callable running one forward (or forward + backward) on the inputs `x`, for the names in
     `which` (fla only where it imports and the inputs are on a GPU)."""
@@ -155,8 +141,7 @@ def main() -> None:
     if args.summarize:
         with open(args.summarize) as f:
             launches = summarize(f.read())
-        with open(args.out, "w") as f:
-            json.dump({"source": os.path.basename(args.summarize), "launches": launches}, f, indent=1)
+        write_result(args.out, {"source": os.path.basename(args.summarize), "launches": launches})
         for r in launches:
             print(
                 f"{r['kernel'][:48]:48s} {r.get('duration', '?')} {r['units'].get('duration', '')}  "
@@ -168,7 +153,7 @@ def main() -> None:
     B, T, H = (1, 130, 2) if args.smoke else args.shape
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    x = make_inputs(B, T, H, 32 if args.smoke else args.head_dim, device, dtype)
+    x = kda_inputs(B, T, H, 32 if args.smoke else args.head_dim, dtype=dtype, device=device)
     fns = methods(x, args.backward, tuple(args.methods.split(",")))
     for fn in fns.values():  # autotuning and compilation, outside the profiled range
         for _ in range(1 if args.smoke else args.warmup):

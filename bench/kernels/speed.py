@@ -2,7 +2,8 @@
 
 Every case runs both implementations on the same inputs in one process, and the timings interleave them
 (`REPEATS` rounds of ours-then-fla, each a `triton.testing.do_bench` median; the row keeps the median of the
-rounds), so that a drift of the GPU's clock or temperature hits both alike. Inputs as in bench_kda.py: bf16,
+rounds; `bench.common.interleaved`), so that a drift of the GPU's clock or temperature hits both alike.
+Inputs from `bench.common.kda_inputs`: bf16,
 K = V = 128, l2-normalised q and k, beta = sigmoid(N(0, 1)), a gate g = -5 sigmoid(N(0, 1) - 2) in float32.
 Our calls use chunk_kda's defaults (its value check included); fla's `chunk_kda` runs with
 `use_qk_l2norm_in_kernel=False` (the inputs are normalised already) and FLA_FLASH_KDA=0.
@@ -13,30 +14,26 @@ Cases (the `case` field of a row):
                   with the peak memory of one step beyond the inputs;
   "layer step softplus", "layer step lower_bound"
                   one training step of the KDA layer (hidden 2048, 16 heads of 128) against fla's
-                  `KimiDeltaAttention` with the same weights (bench_kda_layer.py), peak memory beside;
+                  `KimiDeltaAttention` with the same weights (bench.kernels.bench_kda_layer), peak memory beside;
   "decode"        one decoding step at (B, H) = (64, 32) and (1, 32) against the floor: twice the fp32
                   state's bytes over the copy bandwidth measured in this run;
   "bf16 error"    the relative error of the bf16 output against a float64 loop on the same rounded inputs,
                   ours and fla's, at BF16_SHAPES.
 
-    python bench/kernels/speed.py --out $OUT/speed_h100.json [--cases fwd fwd+bwd ...]
+    python -m bench.kernels.speed --out $OUT/speed_h100.json [--cases fwd fwd+bwd ...]
 """
 
 import argparse
-import json
+import functools
 import os
-import statistics
-import sys
 
 import torch
-from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts this one reuses
-from bench_decode import copy_bandwidth, decode_inputs  # noqa: E402
-from bench_kda import make_inputs, run_environment  # noqa: E402
-
-from kda_edu.kernels import chunk_kda, fused_recurrent_kda, raise_value_errors  # noqa: E402
-from kda_edu.ops.kda import kda_recurrent  # noqa: E402
+from bench.common import interleaved as interleaved_rounds
+from bench.common import kda_inputs, run_environment, write_result
+from bench.kernels.bench_decode import copy_bandwidth, decode_inputs
+from kda_edu.kernels import chunk_kda, fused_recurrent_kda, raise_value_errors
+from kda_edu.ops.kda import kda_recurrent
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 FWD_SHAPES = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32), (1, 131072, 16), (1, 8192, 96)]
@@ -45,13 +42,7 @@ BF16_SHAPES = [(1, 512, 4), (2, 1000, 2), (1, 2048, 2), (1, 4096, 1)]
 REPEATS = 3
 
 
-def interleaved(fns: dict, repeats: int = REPEATS) -> dict:
-    """Median over `repeats` rounds of each function's do_bench median, the functions taking turns."""
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-    return {name: statistics.median(t) for name, t in times.items()}
+interleaved = functools.partial(interleaved_rounds, repeats=REPEATS, warmup=25, rep=200)
 
 
 def fla_chunk():
@@ -70,7 +61,7 @@ def forward_rows() -> list:
     theirs = fla_chunk()
     rows = []
     for B, T, H in FWD_SHAPES:
-        x = make_inputs(B, T, H)
+        x = kda_inputs(B, T, H)
         with torch.no_grad():
             t = interleaved({"kda_edu": lambda x=x: ours(x), "fla": lambda x=x: theirs(x)})
         raise_value_errors()  # the default check found nothing (it would raise here)
@@ -91,9 +82,7 @@ def step_peak_gib(fn) -> float:
 
 
 def fwd_bwd_row(B: int, T: int, H: int, theirs) -> dict:
-    x = make_inputs(B, T, H)
-    for t in x.values():
-        t.requires_grad_()
+    x = kda_inputs(B, T, H, requires_grad=True)
     do = torch.randn_like(x["v"])
 
     def step(fn):
@@ -122,7 +111,7 @@ def fwd_bwd_rows() -> list:
 
 
 def layer_row(gate: str, B: int, T: int) -> dict:
-    from bench_kda_layer import TOL, layers, rel, step
+    from bench.kernels.bench_kda_layer import TOL, layers, rel, step
 
     theirs, mine = layers(gate)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -143,7 +132,7 @@ def layer_row(gate: str, B: int, T: int) -> dict:
 
 
 def layer_rows(B: int = 1, T: int = 8192) -> list:
-    from bench_kda_layer import GATES
+    from bench.kernels.bench_kda_layer import GATES
 
     rows = []
     for gate in GATES:
@@ -191,7 +180,7 @@ def bf16_error_rows() -> list:
     theirs = fla_chunk()
     rows = []
     for B, T, H in BF16_SHAPES:
-        x = make_inputs(B, T, H, seed=T)
+        x = kda_inputs(B, T, H, seed=T)
         ref = kda_recurrent(*(x[n].double() for n in ("q", "k", "v", "g", "beta")))[0]
         with torch.no_grad():
             e_ours, e_fla = rel64(ours(x)[0], ref), rel64(theirs(x)[0], ref)
@@ -213,17 +202,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--commit", default=os.environ.get("KDA_EDU_COMMIT", "unknown"))
+    ap.add_argument(
+        "--commit",
+        default=os.environ.get("KDA_EDU_COMMIT"),
+        help="the commit measured (default: $KDA_EDU_COMMIT, else the checkout's, else unknown)",
+    )
     args = ap.parse_args()
     import fla
 
-    result = dict(**run_environment(), fla=fla.__version__, commit=args.commit, repeats=REPEATS, rows=[])
+    result = {**run_environment(), "fla": fla.__version__, "repeats": REPEATS, "rows": []}
+    if args.commit:
+        result["commit"] = args.commit
     for case in args.cases:
         result["rows"] += CASES[case]()
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".tmp", "w") as f:  # after every case: a call cut short keeps what it measured
-            json.dump(result, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        write_result(args.out, result)  # after every case: a call cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -5,17 +5,17 @@ at each precision "tf32", "tf32x3" and "ieee": the relative error of the whole r
 (Frobenius norms), the largest elementwise error over the size `primer.dot_error_bound` measures it against,
 that bound, and the `triton.testing.do_bench` median time. Needs a GPU; runs in well under a minute.
 
-    python bench/kernels/tf32_precision.py --out bench/results/h200_tf32.json
+    python -m bench.kernels.tf32_precision --out bench/results/h200_tf32.json
 """
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
 
 import kda_edu.kernels  # noqa: F401  (before triton)
+from bench.common import write_result
 from kda_edu.chapters import ch07_primer as primer
 from kda_edu.ops.linear_attention import linear_attention_parallel
 
@@ -74,7 +74,7 @@ def main():
     }
     result["chunked_linear_attention"]["shape"] = [2, T, 2, 32, 16]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(args.out), result)
     for kernel in ("batched_matmul", "chunked_linear_attention"):
         for p in PRECISIONS:
             r = result[kernel][p]

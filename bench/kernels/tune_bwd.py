@@ -5,7 +5,7 @@ Times forward + backward (as bench/kernels/bench_kda_bwd.py does) for each (lk_b
 defaults; the defaults are timed first and last (a drift check). Results to JSON after every variant, so a run
 stopped by `--minutes` or a time limit keeps what it measured. docs/kernel-design.md keeps the conclusions.
 
-    python bench/kernels/tune_bwd.py --out tune_bwd.json [--minutes 6]
+    python -m bench.kernels.tune_bwd --out tune_bwd.json [--minutes 6]
 """
 
 import argparse
@@ -14,9 +14,10 @@ import json
 import time as clock
 from unittest import mock
 
-from bench_kda_bwd import METHODS, make_inputs, step
 from triton.testing import do_bench
 
+from bench.common import write_result
+from bench.kernels.bench_kda_bwd import METHODS, make_inputs, step
 from kda_edu.kernels import chunk_bwd
 
 
@@ -48,8 +49,7 @@ def main():
             print(f"{name}: {ms:.3f} ms", flush=True)
         for t in x.values():
             t.grad = None
-        with open(args.out, "w") as f:
-            json.dump(dict(shape=args.shape, rows=rows), f, indent=1)
+        write_result(args.out, dict(shape=args.shape, rows=rows))
 
     time("fla chunk_kda", METHODS["fla chunk_kda"])
     original = chunk_bwd.chunk_kda_bwd

@@ -6,17 +6,17 @@ scan's own knobs; fla's chunk_kda at the same shape in the same run for scale. R
 spills of every compiled variant are recorded too. Results go to a JSON file; docs/kernel-design.md keeps the
 conclusions.
 
-    python bench/kernels/tune_chunk.py --out tune.json [--shapes 1]
+    python -m bench.kernels.tune_chunk --out tune.json [--shapes 1]
 """
 
 import argparse
 import itertools
-import json
 
 import torch
-from bench_kda import HEADLINE, D, make_inputs
 from triton.testing import do_bench
 
+from bench.common import kda_inputs, write_result
+from bench.kernels.bench_kda import HEADLINE, D
 from kda_edu.kernels.chunk_fwd import chunk_kda_fwd
 
 
@@ -49,7 +49,7 @@ def main():
     args = ap.parse_args()
     rows = []
     for B, T, H in HEADLINE[: args.shapes]:
-        x = make_inputs(B, T, H)
+        x = kda_inputs(B, T, H, D)
         call = (x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, None, False)
         ms = fla_time(x)
         rows.append(dict(shape=(B, T, H), method="fla chunk_kda", ms=ms))
@@ -64,8 +64,7 @@ def main():
                 timed(rows, (B, T, H), call, bv=bv, warps_scan=warps, stages=stages)
         del x, call
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_result(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -146,59 +146,6 @@ def test_weight_bytes_count_the_parameters_without_allocating_them():
         assert weight_bytes(config) == 2 * numbers and weight_bytes(config, dtype_bytes=4) == 4 * numbers
 
 
-def load_benchmark():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "bench_decode_throughput.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, path
-
-
-def test_decode_benchmark_smoke(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "smoke.json"
-    _, script = load_benchmark()
-    subprocess.run([sys.executable, str(script), "--smoke", "--steps", "1", "--out", str(out)], check=True)
-    result = json.loads(out.read_text())
-    assert result["smoke"] and {r["pattern"] for r in result["rows"]} == {"A", "KKKA", "K"}
-    assert all(r["tokens_per_s"] > 0 and r["batch"] <= 8 for r in result["rows"])
-    assert all(r["estimated_bytes"] >= r["cache_bytes"] for r in result["rows"])
-
-
-def test_decode_benchmark_skips_a_point_that_runs_out_of_memory(tmp_path, monkeypatch):
-    """One point running out of memory is recorded as skipped; the others are still measured."""
-    import json
-    import sys
-
-    bench, _ = load_benchmark()
-    real = bench.decode_row
-
-    def decode_row(model, batch, context_len, **kwargs):
-        if batch > 1 and context_len == 64 and model.config.layer_pattern == "A":
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.02 GiB. GPU 0 ...")
-        return real(model, batch, context_len, **kwargs)
-
-    monkeypatch.setattr(bench, "decode_row", decode_row)
-    out = tmp_path / "oom.json"
-    monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--steps", "1", "--out", str(out)])
-    bench.main()
-    rows = json.loads(out.read_text())["rows"]
-    skipped = [r for r in rows if "skipped" in r]
-    assert [(r["pattern"], r["context_len"]) for r in skipped] == [("A", 64)]
-    assert skipped[0]["skipped"].startswith("out of memory: CUDA out of memory. Tried to allocate 64.02 GiB")
-    assert len(rows) == 12 and all(r["tokens_per_s"] > 0 for r in rows if "skipped" not in r)
-
-    monkeypatch.setattr(sys, "argv", ["bench", "--smoke", "--time-limit-s", "0", "--out", str(out)])
-    bench.main()
-    assert all(r["skipped"].startswith("time limit") for r in json.loads(out.read_text())["rows"])
-
-
 def test_count_ops_counts_dispatched_operations():
     x = torch.ones(3)
     assert count_ops(lambda: None) == 0

@@ -1,20 +1,14 @@
-"""bench/kernels/profile_ncu.py: its summary of ncu's raw CSV, and its set-up on the CPU."""
+"""bench.kernels.profile_ncu: its summary of ncu's raw CSV, and its set-up on the CPU."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "profile_ncu.py"
+from bench.kernels import profile_ncu
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("profile_ncu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # The shape of `ncu --csv --page raw` (a header, a units row, one row per launch), with ncu's own messages and a
@@ -30,7 +24,7 @@ a line printed by the program
 
 
 def test_the_summary_reads_each_launch_with_units_and_its_largest_stalls():
-    launches = load().summarize(RAW)
+    launches = profile_ncu.summarize(RAW)
     assert [r["kernel"] for r in launches] == ["_chunk_prepare_kernel", "chunk_kda_fwd_kernel_intra"]
     first, second = launches
     assert first["duration"] == 1193.5 and first["units"]["duration"] == "us"  # a thousands separator read
@@ -46,12 +40,15 @@ def test_the_summary_reads_each_launch_with_units_and_its_largest_stalls():
 
 def test_the_summary_refuses_text_without_an_ncu_table():
     with pytest.raises(ValueError, match="ncu raw CSV"):
-        load().summarize("==PROF== Connected\nnothing profiled\n")
+        profile_ncu.summarize("==PROF== Connected\nnothing profiled\n")
 
 
 def test_the_profiled_methods_run_on_the_cpu():
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--backward"], capture_output=True, text=True
+        [sys.executable, "-m", "bench.kernels.profile_ncu", "--smoke", "--backward"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     assert "smoke: ['kda_edu'] ran" in out.stdout

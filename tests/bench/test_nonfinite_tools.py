@@ -1,19 +1,13 @@
-"""The tools that found the DeltaNet NaN of chapter 12's sweep (issue 22): bisect_recall_run.py's --watch hooks
-and replay_nonfinite.py's emulated arithmetic."""
+"""The tools that found the DeltaNet NaN of chapter 12's sweep: bench.experiments.bisect_recall_run's
+--watch hooks and bench.experiments.replay_nonfinite's emulated arithmetic."""
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import torch
 
-EXPERIMENTS = Path(__file__).resolve().parents[2] / "bench" / "experiments"
-
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"bench.experiments.{name}")
 
 
 class Breaks(torch.nn.Module):

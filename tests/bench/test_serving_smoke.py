@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels"
-
 
 def run_smoke(script: str, out: Path, monkeypatch) -> dict:
     monkeypatch.setattr(sys, "argv", [script, "--smoke", "--out", str(out)])
-    runpy.run_path(str(BENCH / script), run_name="__main__")
+    runpy.run_module(f"bench.kernels.{script.removesuffix('.py')}", run_name="__main__")
     return json.loads(next(out.glob("*.json")).read_text())
 
 

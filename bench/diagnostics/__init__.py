@@ -1,0 +1,1 @@
+"""Diagnostics: one-off measurements that explain a timing or a training run."""

@@ -1,0 +1,1 @@
+"""Experiments behind the chapters' findings: training runs, ablations, probes and replays."""

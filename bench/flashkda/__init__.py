@@ -1,0 +1,1 @@
+"""FlashKDA (third-party, MIT) called through ctypes: its build script and loader."""

@@ -159,7 +159,7 @@ def chapter_launches(capability: tuple[int, int]) -> list[tuple]:
             q, k, v, g, beta, state = _kda_inputs(dtype, T=128, K=64, V=64)
             v0_forward(q, k, v, g, beta, 0.125, state, True)
             ch08.blocks16_forward(q, k, v, g, beta, 0.125, state, True)
-            ch08.block_pointer_copy(torch.empty(64, 64, **meta))
+            # (not `block_pointer_copy`: the chapter shows that Triton no longer builds block pointers)
             tile = torch.empty(64, 64, dtype=low, device="meta")
             kernels = [ch08.tile_product] + ([ch08.tile_product_tma] if tuple(capability) >= (9, 0) else [])
             for kernel in kernels:
@@ -224,7 +224,8 @@ def build(job: dict) -> list[dict]:
     (`chapter_launches`)) for `job["capability"]` (a list, e.g. [7, 5]) to a cubin; one `{"kernel":
     launch_key, "error": None or the compiler's message}` per distinct launch. A job of `in_fresh_python`.
     `job["extra"]`, "module:function" (optional): that function, called with the capability inside
-    `recorded_launches`, launches more kernels to build (a test's planted kernel)."""
+    `recorded_launches`, launches more kernels to build (a test's planted kernel). `job["shard"]` = [i, n]
+    (optional): only the i-th of every n distinct launches, so that n processes share the work."""
     capability = tuple(job["capability"])
     sets = {"library": library_launches, "chapters": chapter_launches}
     launches = [launch for name in job.get("sets", ()) for launch in sets[name](capability)]
@@ -233,12 +234,10 @@ def build(job: dict) -> list[dict]:
         with recorded_launches(capability) as extra:
             getattr(importlib.import_module(module), function)(capability)
         launches += extra
-    results, seen = [], set()
-    for launch in launches:
-        key = launch_key(launch, capability)
-        if key in seen:
-            continue
-        seen.add(key)
+    distinct = {launch_key(launch, capability): launch for launch in launches}
+    shard, shards = job.get("shard", (0, 1))
+    results = []
+    for key, launch in list(distinct.items())[shard::shards]:
         try:
             compiled = compile_launch(launch, capability)
             error = None if compiled.asm.get("cubin") else "no cubin"

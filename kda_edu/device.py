@@ -13,13 +13,13 @@ On a CPU, importing this module sets PyTorch's intra-op threads to one (``KDA_ED
 The book's CPU examples are small: thousands of operations of microseconds each, which a second thread
 barely speeds up on an idle machine. On a machine whose cores other programs share (a laptop is never
 idle), PyTorch's OpenMP threads make them slow: after every parallel operation the helper thread spins,
-waiting for the next one, on a core the main thread or the other program needs, and at every operation the
-main thread waits for a helper that the scheduler has put behind the other program. Beside one busy
-process, chapter 12's first training run took 112 s of wall time and 69 s of CPU time with PyTorch's
-default two threads on two cores, 12 s and 9 s with two threads that sleep instead of spinning
-(``OMP_WAIT_POLICY=PASSIVE``), and 8 s and 8 s with one thread. ``make`` also sets ``OMP_WAIT_POLICY=PASSIVE``
-for everything it runs, which only OpenMP's start-up reads (before ``import torch``), so that a reader who
-asks for more threads gets threads that sleep while they wait.
+waiting for the next one, on a core that the main thread or the other program needs, and at every operation
+the main thread waits for a helper that the scheduler has put behind the other program. Chapter 12's first
+training run, on two cores that other programs kept busy (load average 3 to 6), took 154 s of wall time and
+135 s of CPU time with PyTorch's default two threads, 12 s and 10 s with two threads that sleep instead of
+spinning (``OMP_WAIT_POLICY=PASSIVE``), and 13 s and 9 s with one thread. OpenMP reads its wait policy only
+when PyTorch is imported, before this module, so one thread is what this module can choose; ``make`` also
+sets ``OMP_WAIT_POLICY=PASSIVE`` for everything it runs, for a reader who asks for more threads.
 """
 
 import os

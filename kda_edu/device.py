@@ -8,6 +8,18 @@ It also picks the 16-bit dtype the chapters' GPU runs use (``DTYPE``): bfloat16 
 tensor cores (compute capability 8.0 and later: A100, H100, H200), float16 on older GPUs (Colab's T4 is
 7.5), float32 on a CPU. ``KDA_EDU_DTYPE=float16|bfloat16|float32`` forces a choice, so one GPU can run
 every path.
+
+On a CPU, importing this module sets PyTorch's intra-op threads to one (``KDA_EDU_THREADS=n`` asks for n).
+The book's CPU examples are small: thousands of operations of microseconds each, which a second thread
+barely speeds up on an idle machine. On a machine whose cores other programs share (a laptop is never
+idle), PyTorch's OpenMP threads make them slow: after every parallel operation the helper thread spins,
+waiting for the next one, on a core that the main thread or the other program needs, and at every operation
+the main thread waits for a helper that the scheduler has put behind the other program. Chapter 12's first
+training run, on two cores that other programs kept busy (load average 3 to 6), took 154 s of wall time and
+135 s of CPU time with PyTorch's default two threads, 12 s and 10 s with two threads that sleep instead of
+spinning (``OMP_WAIT_POLICY=PASSIVE``), and 13 s and 9 s with one thread. OpenMP reads its wait policy only
+when PyTorch is imported, before this module, so one thread is what this module can choose; ``make`` also
+sets ``OMP_WAIT_POLICY=PASSIVE`` for everything it runs, for a reader who asks for more threads.
 """
 
 import os
@@ -56,6 +68,23 @@ def choose_dtype(forced: str | None, on_gpu: bool, capability: tuple[int, int], 
         return torch.float32
     return torch.bfloat16 if bf16_cores else torch.float16
 
+
+def cpu_threads(forced: str | None) -> int:
+    """PyTorch's intra-op threads for the book's CPU runs: one, or the forced count (see the module docstring).
+
+    Args:
+        forced: the value of KDA_EDU_THREADS (None or "" to choose), a positive integer.
+    """
+    if not forced:
+        return 1
+    if not forced.isdigit() or int(forced) < 1:
+        raise ValueError(f"KDA_EDU_THREADS must be a positive integer, got {forced!r}")
+    return int(forced)
+
+
+CPU_THREADS = cpu_threads(os.environ.get("KDA_EDU_THREADS"))
+if not ON_GPU:
+    torch.set_num_threads(CPU_THREADS)
 
 DTYPE = choose_dtype(
     os.environ.get("KDA_EDU_DTYPE"),

@@ -1,5 +1,9 @@
 """The device module: where the book runs, and which dtype its GPU runs use."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -46,3 +50,37 @@ def test_this_machine():
     if not device.ON_GPU:
         assert device.DTYPE == torch.float32
     assert str(device.DTYPE).removeprefix("torch.") in device.describe()
+
+
+def _threads_after_import(env: dict) -> str:
+    """torch.get_num_threads() in a fresh Python that set two threads, then imported kda_edu.device."""
+    code = "import torch; torch.set_num_threads(2); import kda_edu.device; print(torch.get_num_threads())"
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "KDA_EDU_DEVICE": "cpu", **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return run.stdout.strip() if run.returncode == 0 else run.stderr
+
+
+def test_cpu_runs_use_one_thread_unless_asked():
+    # Two OpenMP threads on a machine whose cores another program shares spin and wait for each other at
+    # every small operation (the module docstring): on a CPU the book runs on one thread.
+    assert _threads_after_import({"KDA_EDU_THREADS": ""}) == "1"
+    assert _threads_after_import({"KDA_EDU_THREADS": "2"}) == "2"
+    assert "KDA_EDU_THREADS must be a positive integer, got '0'" in _threads_after_import(
+        {"KDA_EDU_THREADS": "0"}
+    )
+
+
+@pytest.mark.parametrize("forced, expected", [(None, 1), ("", 1), ("1", 1), ("3", 3)])
+def test_cpu_threads(forced, expected):
+    assert device.cpu_threads(forced) == expected
+
+
+@pytest.mark.parametrize("forced", ["0", "-1", "two", "1.5"])
+def test_cpu_threads_refuses_what_is_not_a_count(forced):
+    with pytest.raises(ValueError, match="KDA_EDU_THREADS must be a positive integer"):
+        device.cpu_threads(forced)

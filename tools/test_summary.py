@@ -38,6 +38,13 @@ def main() -> None:
     times = notebook_seconds(reports / "notebooks.xml")
     print("notebook times: " + ", ".join(f"{name} {sec:.0f} s" for name, sec in sorted(times.items())))
     print(f"notebooks in all: {sum(times.values()) / 60:.1f} min")
+    loaded = reports / "loaded.json"  # tools/loaded_chapters.py
+    if loaded.exists():
+        for r in json.loads(loaded.read_text())["chapters"]:
+            print(
+                f"beside a busy process: {r['chapter']} {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU "
+                f"(budget {r['budget_s']} s): {'ok' if r['ok'] else 'FAILED'}"
+            )
     browser = json.loads((reports / "browser.json").read_text())
     if "skipped" in browser:
         print(f"browser: skipped ({browser['skipped']})")

@@ -34,13 +34,9 @@
   checks and times every entry.
 """
 
-import json
 import math
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -64,6 +60,7 @@ from kda_edu.kernels.chunk_fwd import (
     tile_mm,
 )
 from kda_edu.kernels.chunk_launch import pass_stages
+from kda_edu.kernels.offline import compile_source, in_fresh_python
 from kda_edu.ops._checks import GATE_FLOOR
 from kda_edu.ops._chunks import chunk_inputs, to_chunks
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
@@ -809,9 +806,6 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
 
 def _count_sm90(job: dict) -> dict[str, int]:
     """Compile one kernel for sm_90 (in a process where kda_edu builds compiled kernels) and count PTX_COUNTS."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     if job["kernel"] in ("tile_product", "tile_product_tma"):
         kernel = tile_product if job["kernel"] == "tile_product" else tile_product_tma
         spec = dict(
@@ -824,8 +818,7 @@ def _count_sm90(job: dict) -> dict[str, int]:
     else:
         kernel, spec = KERNELS[job["kernel"]], _compile_specs()[job["kernel"]]
     signature = spec["signature"] | dict.fromkeys(spec["constexprs"], "constexpr")
-    source = ASTSource(fn=kernel, signature=signature, constexprs=spec["constexprs"])
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=spec["options"]).asm["ptx"]
+    ptx = compile_source(kernel, signature, spec["constexprs"], spec["options"], (9, 0)).asm["ptx"]
     return {name: ptx.count(pattern) for name, pattern in PTX_COUNTS.items()}
 
 
@@ -835,29 +828,10 @@ def hopper_instructions(jobs: list[dict]) -> list[dict[str, int]]:
     `_compile_specs` launches them) or "gram16" (`gram16_kernel`, launched as "gram"), or
     `{"kernel": "tile_product", "M": .., "N": .., "K": .., "warps": ..}` (or `"tile_product_tma"`).
 
-    The compiler runs in a fresh Python: where there is no GPU this process builds kda_edu's kernels for the
-    interpreter, which cannot be compiled; the fresh one is told to build them as on a GPU machine
-    (`kda_edu.backend.INTERPRET = False` before `kda_edu.kernels` is imported). Nothing is launched.
+    The compiler runs in a fresh Python (`kda_edu.kernels.offline.in_fresh_python`): where there is no GPU this
+    process builds kda_edu's kernels for the interpreter, which cannot be compiled. Nothing is launched.
     """
-    return _offline("_count_sm90", jobs)
-
-
-def _offline(function: str, jobs: list) -> list:
-    """`function` of this module applied to each job in a fresh Python that builds compiled kernels."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    code = (
-        "import json, sys; import kda_edu.backend as b; b.INTERPRET = False\n"
-        f"from kda_edu.chapters.ch08_chunk_kernel import {function}\n"
-        f"print(json.dumps([{function}(job) for job in json.loads(sys.argv[1])]))"
-    )
-    run = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(jobs)], env=env, capture_output=True, text=True, check=False
-    )
-    if run.returncode != 0:
-        raise RuntimeError(f"compiling for sm_90 failed:\n{run.stderr[-2000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return in_fresh_python(__name__, "_count_sm90", jobs)
 
 
 def _scan_pipeline_sm90(job: dict) -> dict:
@@ -865,9 +839,6 @@ def _scan_pipeline_sm90(job: dict) -> dict:
     and job["stages"] pipeline stages, for sm_90, with the 16-byte alignment a launch specialises its pointers
     and sizes on (without it the pipeliner cannot use asynchronous copies). Returns its shared memory in
     bytes and the `cp.async.wait_group` counts in its PTX, in order."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     spec = _compile_specs()["scan"]
     constexprs = {**spec["constexprs"], "BV": job["bv"]}
     kernel = KERNELS["scan"]
@@ -876,13 +847,9 @@ def _scan_pipeline_sm90(job: dict) -> dict:
         for i, name in enumerate(kernel.arg_names)
         if name in spec["signature"] and (spec["signature"][name].startswith("*") or name in ("HV", "K", "V"))
     }
-    source = ASTSource(
-        fn=kernel, signature=spec["signature"] | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs,
-        attrs=aligned,
-    )  # fmt: skip
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={**spec["options"], "num_stages": job["stages"]}
-    )
+    signature = spec["signature"] | dict.fromkeys(constexprs, "constexpr")
+    options = {**spec["options"], "num_stages": job["stages"]}
+    compiled = compile_source(kernel, signature, constexprs, options, (9, 0), attrs=aligned)
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", compiled.asm["ptx"])]
     return {"shared": compiled.metadata.shared, "waits": waits}
 
@@ -890,4 +857,37 @@ def _scan_pipeline_sm90(job: dict) -> dict:
 def scan_pipeline(stages: list[int], bv: int = 32) -> list[dict]:
     """For each pipeline depth in `stages`: the scan compiled for the H200 (sm_90) without a GPU, as
     `_scan_pipeline_sm90` describes, in a fresh Python as `hopper_instructions` does."""
-    return _offline("_scan_pipeline_sm90", [dict(stages=s, bv=bv) for s in stages])
+    return in_fresh_python(__name__, "_scan_pipeline_sm90", [dict(stages=s, bv=bv) for s in stages])
+
+
+def chapter_launches(capability: tuple[int, int]) -> list[tuple]:
+    """The launches of the chapters' own kernels (chapter 7's primer, chapter 8's first kernels and tile
+    experiments; not the library's kernels they launch too), in float32 and in the 16-bit dtype the chapters use on that GPU (`kda_edu.device`);
+    chapter 8's tile product through the TMA only for 9.0, the only GPU the chapter builds it for."""
+    from kda_edu.chapters import ch07_primer as ch07
+    from kda_edu.device import choose_dtype
+    from kda_edu.kernels.offline import meta_kda_inputs, recorded_launches
+
+    ch08 = sys.modules[__name__]
+
+    low = choose_dtype(None, True, tuple(capability), tuple(capability) >= (8, 0))
+    with recorded_launches(capability) as launches:
+        for dtype in (torch.float32, low):
+            meta = dict(dtype=dtype, device="meta")
+            x = torch.empty(4096, **meta)
+            ch07.vector_add(x, x)
+            ch07.row_softmax(torch.empty(8, 100, **meta))
+            ch07.chunk_cumsum(torch.empty(1, 256, 2, 64, **meta))
+            a = torch.empty(2, 64, 64, **meta)
+            for precision in (None, "ieee") if dtype == torch.float32 else (None,):
+                ch07.batched_matmul(a, a, input_precision=precision)
+                ch07.chunked_linear_attention(*(torch.empty(1, 128, 2, 64, **meta) for _ in range(3)))
+            q, k, v, g, beta, state = meta_kda_inputs(dtype, T=128, K=64, V=64)
+            v0_forward(q, k, v, g, beta, 0.125, state, True)
+            ch08.blocks16_forward(q, k, v, g, beta, 0.125, state, True)
+            # (not `block_pointer_copy`: the chapter shows that Triton no longer builds block pointers)
+            tile = torch.empty(64, 64, dtype=low, device="meta")
+            kernels = [ch08.tile_product] + ([ch08.tile_product_tma] if tuple(capability) >= (9, 0) else [])
+            for kernel in kernels:
+                kernel[(1,)](tile, tile, torch.empty(64, 64, device="meta"), M=64, N=64, KK=64)
+    return [launch for launch in launches if launch[0].fn.__module__.startswith("kda_edu.chapters.")]

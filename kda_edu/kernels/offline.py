@@ -98,7 +98,7 @@ def recorded_launches(capability: tuple[int, int]):
         yield launches
 
 
-def metameta_kda_inputs(dtype, B=1, T=256, H=2, HV=2, K=128, V=128, N=None):
+def meta_kda_inputs(dtype, B=1, T=256, H=2, HV=2, K=128, V=128, N=None):
     meta = dict(device="meta")
     q, k = (torch.empty(B, T, H, K, dtype=dtype, **meta) for _ in range(2))
     v = torch.empty(B, T, HV, V, dtype=dtype, **meta)

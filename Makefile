@@ -28,7 +28,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 
-.PHONY: book test lab sync assets clean lint unit notebooks notebooks-loaded build-strict browser-check
+.PHONY: book test test-fast lab sync assets clean lint unit notebooks notebooks-loaded build-strict browser-check
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ book: $(STAMP) $(ASSETS)
 ## test: lint, unit tests, every notebook under nbval, the slowest beside a busy process, a strict book build, a browser check
 test: $(STAMP) $(ASSETS) lint unit notebooks notebooks-loaded build-strict browser-check
 	@$(BIN)/python tools/test_summary.py $(REPORTS)
+
+## test-fast: lint and the unit tests not marked slow (for development; `make test` runs everything)
+test-fast: $(STAMP) lint
+	$(BIN)/python -m pytest tests -m "not slow" -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -16,7 +16,7 @@ lower_bound = -5, scale = 128 ** -0.5; here with a float32 initial state ~ 0.1 N
 Checks (exit 1 if one fails), relative errors ||x - ref|| / ||ref|| of o and of the final state:
   * small: B=2, T=200 (not a multiple of FlashKDA's 16 or our 64), H=4: FlashKDA and kda_edu's chunk_kda
     against `kda_edu.ops.kda.kda_recurrent` in float64 on the same raw inputs, with and without a state:
-    each <= BOUND = 0.05. kda_edu's bf16 bound against float64 is 5e-3 (tests/kernels/gpu_check_chunk_kda.py);
+    each <= BOUND = 0.05. kda_edu's bf16 bound against float64 is 5e-3 (tests/kernels/test_chunk_kda_gpu.py);
     FlashKDA keeps its state in bf16 between chunks of 16 (unit roundoff 2^-9 per chunk) and inverts in
     fp16, so it is allowed ten times that. Two negative controls show the check can fail: FlashKDA's state
     left untransposed, and a reference with the softplus gate `-exp(A_log) softplus(g_raw + dt_bias)`, must

@@ -2,7 +2,7 @@
 
 On a CPU these run through Triton's interpreter (about 3 ms per 64 x 64 product per program), so the shapes
 are tiny and the inputs float32; on a CUDA machine the same tests run the compiled kernels. The tolerance
-checks at benchmark sizes and at T = 64K are in tests/kernels/gpu_check_chunk_kda.py.
+checks at benchmark sizes and at T = 64K are in tests/kernels/test_chunk_kda_gpu.py.
 """
 
 import pytest

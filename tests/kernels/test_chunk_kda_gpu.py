@@ -1,4 +1,4 @@
-"""GPU tolerance checks for kda_edu.kernels.chunk_kda (not collected by pytest: needs a CUDA GPU).
+"""GPU tolerance checks for kda_edu.kernels.chunk_kda (collected by pytest, skipped without a CUDA GPU).
 
 Relative RMS error ||o - ref|| / ||ref|| against float64 references computed on the GPU:
   * small cousins of the benchmark shapes, odd shapes (K != V, non-powers of two, HV > H, T = 1, T not a
@@ -9,13 +9,14 @@ Relative RMS error ||o - ref|| / ||ref|| against float64 references computed on 
   * gates far below -5 (the pairwise branch of the diagonal blocks);
   * agreement with fla's `chunk_kda` on a benchmark-like input, when fla is importable.
 
-    python tests/kernels/gpu_check_chunk_kda.py --out check.json
+    python tests/kernels/test_chunk_kda_gpu.py --out check.json     (the table, with T = 65536)
 """
 
 import argparse
 import json
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -80,27 +81,40 @@ def check(name, B, T, H, HV, K, V, dtype, gate="sigmoid", reference="recurrent")
     return row
 
 
+def cases(long: int = 65536) -> list[tuple]:
+    """The checks, as `check`'s arguments."""
+    out = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        out += [
+            ("cousin (1,1024,4) 128/128", 1, 1024, 4, 4, 128, 128, dtype),
+            ("cousin (2,512,2) 128/128", 2, 512, 2, 2, 128, 128, dtype, "uniform"),
+            ("T=1", 1, 1, 2, 2, 128, 128, dtype),
+            ("T=200 K=96 V=80 HV=2H", 2, 200, 2, 4, 96, 80, dtype),
+            ("T=130 K=48 V=40", 1, 130, 1, 1, 48, 40, dtype),
+            ("T=256 K=64 V=128", 1, 256, 2, 2, 64, 128, dtype, "sigmoid", "chunked"),
+            ("gates to -60 (pairwise)", 1, 200, 2, 2, 128, 128, dtype, "huge"),
+        ]
+    for dtype in (torch.bfloat16, torch.float32):
+        for gate in ("bound", "uniform"):
+            out.append((f"T={long} at -5", 1, long, 2, 2, 128, 128, dtype, gate, "chunked"))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # last: float32 runs a one-stage scan
+        out.append(("T=100 K=V=256", 1, 100, 2, 2, 256, 256, dtype))
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")
+@pytest.mark.parametrize("case", cases(long=8192), ids=lambda c: f"{c[0]}-{str(c[7]).split('.')[-1]}")
+def test_within_tolerance_on_the_gpu(case):
+    row = check(*case)
+    assert row["ok"], row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--long", type=int, default=65536)
     args = ap.parse_args()
-    rows = []
-    for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        rows += [
-            check("cousin (1,1024,4) 128/128", 1, 1024, 4, 4, 128, 128, dtype),
-            check("cousin (2,512,2) 128/128", 2, 512, 2, 2, 128, 128, dtype, gate="uniform"),
-            check("T=1", 1, 1, 2, 2, 128, 128, dtype),
-            check("T=200 K=96 V=80 HV=2H", 2, 200, 2, 4, 96, 80, dtype),
-            check("T=130 K=48 V=40", 1, 130, 1, 1, 48, 40, dtype),
-            check("T=256 K=64 V=128", 1, 256, 2, 2, 64, 128, dtype, reference="chunked"),
-            check("gates to -60 (pairwise)", 1, 200, 2, 2, 128, 128, dtype, gate="huge"),
-        ]
-    for dtype in (torch.bfloat16, torch.float32):
-        for gate in ("bound", "uniform"):
-            rows.append(check(f"T={args.long} at -5", 1, args.long, 2, 2, 128, 128, dtype, gate, "chunked"))
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # last: float32 runs a one-stage scan
-        rows.append(check("T=100 K=V=256", 1, 100, 2, 2, 256, 256, dtype))
+    rows = [check(*case) for case in cases(args.long)]
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=rows)
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda

@@ -12,9 +12,9 @@ layer always uses with gradients, needs a GPU. This script builds fla's layer, c
     (test_kda_layer.py measured 1.2e-3 between fla's own chunk and fused_recurrent modes at T = 200), ours
     in exact float32.
 
-    python tests/layers/gpu_check_fla_layer.py --out $OUT/fla_layer.json     (about a minute on one H200)
+    python tests/layers/test_fla_layer_gpu.py --out $OUT/fla_layer.json     (about a minute on one H200)
 
-Also collected by pytest when named explicitly (`pytest tests/layers/gpu_check_fla_layer.py`); skipped without CUDA.
+Collected by pytest; skipped without CUDA.
 """
 
 import argparse

@@ -15,10 +15,10 @@ SKIP=()
 # The sweep writes its file in $OUT itself (atomically, after every run): a call stopped at its limit still
 # brings back every finished run (a copy at the end would never run).
 cp bench/results/recall_gpu.json "$OUT/recall_gpu.json"
-timeout "$TMO" python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" \
+timeout "$TMO" python -m kda_edu.training.sweep --preset gpu --out "$OUT/recall_gpu.json" \
     --workers "$WORKERS" --max-minutes "$MAXMIN" --deadline-minutes "$(python3 -c "print(($TMO - 30) / 60)")" \
     $SWEEP_OPTS "${SKIP[@]}" > "$OUT/sweep_$TAG.log" 2>&1
 echo "sweep exit $?" >> "$OUT/sweep_$TAG.log"
 rm -f "$OUT/recall_gpu.tmp"
-python -m kda_edu.chapters.ch12_recall_sweep --preset gpu --out "$OUT/recall_gpu.json" --cost >> "$OUT/sweep_$TAG.log" 2>&1
+python -m kda_edu.training.sweep --preset gpu --out "$OUT/recall_gpu.json" --cost >> "$OUT/sweep_$TAG.log" 2>&1
 kill $DMON

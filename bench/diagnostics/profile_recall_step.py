@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch
 
 from bench.common import write_result
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, task_for
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, MixerConfig
 from kda_edu.models.recall import RecallConfig, RecallLM
+from kda_edu.training.sweep import PRESETS, task_for
 from kda_edu.training.train import TrainConfig, make_optimizer, masked_loss_and_accuracy, train
 
 

@@ -38,7 +38,7 @@ import torch
 
 import kda_edu.training.train as train_module
 from bench.common import write_result
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
+from kda_edu.training.sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import train
 
 # The parameters the weight-decay rule of the sweep's first runs spared: every vector, so A_log but not KDA's

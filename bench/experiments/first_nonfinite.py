@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench.common import write_result
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
+from kda_edu.training.sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import (
     build_model,
     data_seed,

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from bench.common import write_result
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
+from kda_edu.training.sweep import PRESETS, add_spec_arguments, run_setup, spec_from_arguments
 from kda_edu.training.train import train
 
 

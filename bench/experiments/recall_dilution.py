@@ -1,7 +1,7 @@
 """Why softmax attention learns MQAR slowly at long lengths: length or number of pairs? (CPU, chapter 12)
 
 In the GPU sweep MQAR's number of pairs grows with the length (P = T / 8), so the two are confounded. This
-script separates them with the CPU sweep's model and recipe (kda_edu.chapters.ch12_recall_sweep.PRESETS["cpu"], run
+script separates them with the CPU sweep's model and recipe (kda_edu.training.sweep.PRESETS["cpu"], run
 longer):
 
 - length at a fixed number of pairs: P = 8, T = 32, 64, 128 (the extra tokens are blanks in the query region);
@@ -29,9 +29,9 @@ from datetime import UTC, datetime
 import torch
 
 from bench.common import write_result
-from kda_edu.chapters.ch12_recall_sweep import PRESETS
 from kda_edu.layers.mixers import MixerConfig
 from kda_edu.models.recall import RecallConfig
+from kda_edu.training.sweep import PRESETS
 from kda_edu.training.tasks import MQAR, task_to_dict
 from kda_edu.training.train import TrainConfig, train
 

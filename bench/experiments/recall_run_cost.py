@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, RunPool, run_specs, warm_up_kernels
+from kda_edu.training.sweep import PRESETS, RunPool, run_specs, warm_up_kernels
 
 LEGACY_WARM_UP = [(2, 128)]  # (batch, length) of the sweep's warm-up before warm_up_shapes
 

@@ -10,8 +10,8 @@ import statistics
 
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import summarize
 from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.training.sweep import summarize
 from kda_edu.training.tasks import MQAR, Stack, TaskBatch
 from kda_edu.training.train import TrainConfig, lr_at, masked_loss_and_accuracy
 

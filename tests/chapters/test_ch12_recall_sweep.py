@@ -6,18 +6,8 @@ import json
 import pytest
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import (
-    PRESETS,
-    RunPool,
-    cost,
-    expected_seconds,
-    run_specs,
-    run_sweep,
-    seed_relation,
-    summarize,
-    tier_text,
-    tiers,
-)
+from kda_edu.chapters.ch12_recall_sweep import seed_relation, tier_text, tiers
+from kda_edu.training.sweep import PRESETS, RunPool, cost, expected_seconds, run_specs, run_sweep, summarize
 
 
 def tiny_preset(lengths: list[int], mixers: list[str], steps: int = 6) -> dict:
@@ -149,8 +139,8 @@ def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
     libtriton = pytest.importorskip("triton._C.libtriton")
     from triton.backends.compiler import BaseBackend
 
-    from kda_edu.chapters.ch12_recall_sweep import task_for, warm_up_shapes
     from kda_edu.kernels.chunk_common import chunk_layout
+    from kda_edu.training.sweep import task_for, warm_up_shapes
     from kda_edu.training.train import EVAL_BATCH
 
     def variant(batch: int, length: int) -> tuple:
@@ -254,7 +244,7 @@ def test_the_experiments_name_a_run_by_the_same_options():
     run_setup and the results files use; --mixer is required unless a default is given."""
     import argparse
 
-    from kda_edu.chapters.ch12_recall_sweep import add_spec_arguments, spec_from_arguments
+    from kda_edu.training.sweep import add_spec_arguments, spec_from_arguments
 
     ap = argparse.ArgumentParser()
     add_spec_arguments(ap)

@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import PRESETS, run_specs, run_sweep, summarize, task_for
 from kda_edu.layers.mixers import MixerConfig
 from kda_edu.models.recall import RecallConfig, RecallLM
+from kda_edu.training.sweep import PRESETS, run_specs, run_sweep, summarize, task_for
 from kda_edu.training.tasks import MQAR
 from kda_edu.training.train import (
     GATE_PARAMETERS,

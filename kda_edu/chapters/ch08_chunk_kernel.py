@@ -768,6 +768,7 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
             u="*bf16",
             kd="*bf16",
             gl="*fp32",
+            flags="*i32",
             chunks="*i32",
             T=i32,
             H=i32,
@@ -779,7 +780,6 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
             N0=i32,
             CS=i32,
             CN=i32,
-            flags="*i32",
         ),
         constexprs=dict(
             BT=CHUNK,

@@ -432,6 +432,7 @@ def _chunk_wu_kernel(
     u,
     kd,
     gl,  # outputs [HV, NCH * BT, BK | BV | BK] and [HV, NCH, BK]
+    flags,  # int32 [1] (read only with CHECK): bit 0 set when a gate is not <= 0, bit 1 when a beta is outside [0, 1]
     chunks,
     T,
     H,
@@ -452,7 +453,6 @@ def _chunk_wu_kernel(
     IS_VARLEN: tl.constexpr,
     KD_TOTAL: tl.constexpr = False,
     U_PREC: tl.constexpr = "tf32",
-    flags=None,  # int32 [1]: bit 0 set when a gate is not <= 0, bit 1 when a beta is outside [0, 1]
     CHECK: tl.constexpr = False,  # write `flags`
 ):
     """One program per (chunk, value head): the UT transform as whole-chunk products against X.
@@ -688,9 +688,9 @@ def prepare_chunks(
             )
         kernels.update(
             wu=_chunk_wu_kernel[grid](
-                k, v, g, beta, x, w, u, kd, gl, chunks, T, H, HV, K, V, NT, NCH, n0, cs, cn,
+                k, v, g, beta, x, w, u, kd, gl, gl if flags is None else flags, chunks, T, H, HV, K, V, NT, NCH, n0, cs, cn,
                 BT=BT, BK=BK, BV=BVP, KC=kc, VC=vc, PREC=w_prec, U_PREC=u_prec, KD_TOTAL=idt != torch.float32,
-                IS_VARLEN=varlen, num_warps=warps[2], flags=gl if flags is None else flags, CHECK=flags is not None,
+                IS_VARLEN=varlen, num_warps=warps[2], CHECK=flags is not None,
             ),
         )  # fmt: skip
         if after_piece is not None:

@@ -70,14 +70,13 @@ def step_times(B, T, H):
     one piece or in `time_pieces`' default pieces. (The backward in pieces, its state passes on the side
     stream, gained nothing: they could not run beside the chunk-local kernels; the backward runs in one piece.)"""
     from bench.kernels.bench_kda_bwd import make_inputs as step_inputs
-    from kda_edu.kernels import chunk_bwd
 
     xs, do = step_inputs(B, T, H)
     out = {}
     for keep in (False, True):
         for p in (1, None):
-            fwd = functools.partial(chunk_bwd.chunk_kda_fwd, pieces=p)
-            with mock.patch.object(chunk_bwd, "chunk_kda_fwd", fwd):
+            fwd = functools.partial(chunk_fwd.chunk_kda_fwd, pieces=p)
+            with mock.patch.object(chunk_fwd, "chunk_kda_fwd", fwd):
 
                 def step(keep=keep):
                     o = chunk.chunk_kda(*(xs[n] for n in ("q", "k", "v", "g", "beta")), check_inputs=False,

@@ -29,7 +29,7 @@ from triton.testing import do_bench
 
 from bench.common import write_result
 from bench.kernels.bench_kda_bwd import make_inputs, per_kernel_us, step
-from kda_edu.kernels import chunk, chunk_bwd, chunk_fwd, chunk_kda
+from kda_edu.kernels import chunk_bwd, chunk_fwd, chunk_kda
 
 SHAPES = [(1, 8192, 32), (8, 4096, 16), (1, 32768, 32), (1, 131072, 16)]
 STEP_SHAPES = SHAPES[:3]
@@ -51,8 +51,7 @@ def _variant(fwd_stages=None, pass_depth=None):
 
     class Both:
         def __enter__(self):
-            self.p = [mock.patch.object(chunk, "chunk_kda_fwd", fwd_forced)]
-            self.p.append(mock.patch.object(chunk_bwd, "chunk_kda_fwd", fwd_forced))
+            self.p = [mock.patch.object(chunk_fwd, "chunk_kda_fwd", fwd_forced)]
             self.p.append(mock.patch.object(chunk_bwd, "chunk_kda_bwd", bwd_forced))
             for p in self.p:
                 p.start()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from test_chunk_varlen import LENGTHS, cu_of, per_sequence
 
 from kda_edu.kernels import chunk as chunk_mod
-from kda_edu.kernels import chunk_bwd, chunk_common, chunk_kda
+from kda_edu.kernels import chunk_bwd, chunk_common, chunk_fwd, chunk_kda
 from kda_edu.ops.kda import kda_chunked, kda_recurrent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -224,7 +224,7 @@ def test_gradients_after_a_forward_in_pieces(pieces, keep):
     inputs, do, dht = make_inputs(2, 300, 1, 2, 32, 16)
     ref = oracle(inputs, do, dht)
     with mock.patch.object(
-        chunk_bwd, "chunk_kda_fwd", functools.partial(chunk_bwd.chunk_kda_fwd, pieces=pieces)
+        chunk_fwd, "chunk_kda_fwd", functools.partial(chunk_fwd.chunk_kda_fwd, pieces=pieces)
     ):
         got = grads(functools.partial(chunk_kda, keep_intermediates=keep), inputs, do, dht)
     tol = 1e-5 if DEVICE == "cpu" else 2e-3

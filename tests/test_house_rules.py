@@ -26,6 +26,12 @@ COVERED = [
     "book/04_gated_delta.md",
     "book/05_kda.md",
     "book/06_chunkwise.md",
+    "book/10_kda_layer.md",
+    "book/11_hybrid.md",
+    "book/13_inference.md",
+    "book/14_kimi_k3.md",
+    "book/15_context_parallel.md",
+    "book/appendix_measuring.md",
 ]
 
 HIDDEN_TAGS = {"hide-input", "remove-input", "remove-cell"}

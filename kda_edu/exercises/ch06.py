@@ -229,3 +229,159 @@ def check_block_inverse(inverse) -> str:
     return passed(
         "Only the diagonal blocks are inverted; the rest is matrix products, block row by block row."
     )
+
+
+# Exercise 5 (capstone): the chunked forward of the delta rule, from the WY equations.
+
+
+def solution_chunked_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, C: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule `S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T`, `o_t = S_t^T q_t`, from `S_0 = 0`,
+    computed chunk by chunk: q, k `[T, K]`, v `[T, V]`, beta `[T]`; returns `(o [T, V], S_T [K, V])`.
+
+    Per chunk (no decay, so every exponential of the chapter's equations is 1):
+        A = StrictTril(Diag(beta) K K^T),  u = (I + A)^-1 Diag(beta) V,  w = (I + A)^-1 Diag(beta) K,
+        U = u - w S,  O = Q S + Tril(Q K^T) U,  S <- S + K^T U.
+    """
+    T, K = k.shape
+    S = k.new_zeros(K, v.shape[1])
+    o = torch.empty_like(v)
+    for start in range(0, T, C):
+        Q, Kc, Vc, b = (
+            q[start : start + C],
+            k[start : start + C],
+            v[start : start + C],
+            beta[start : start + C],
+        )
+        eye = torch.eye(Kc.shape[0], dtype=k.dtype, device=k.device)
+        unit_lower = eye + (b[:, None] * (Kc @ Kc.T)).tril(-1)
+        u = torch.linalg.solve_triangular(unit_lower, b[:, None] * Vc, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(unit_lower, b[:, None] * Kc, upper=False, unitriangular=True)
+        U = u - w @ S
+        o[start : start + C] = Q @ S + (Q @ Kc.T).tril() @ U
+        S = S + Kc.T @ U
+    return o, S
+
+
+def _delta_rule_loop(q, k, v, beta):
+    """The recurrence itself, one step at a time, in float64: the checker's reference."""
+    S, rows = q.new_zeros(k.shape[1], v.shape[1]), []
+    for t in range(q.shape[0]):
+        S = S + beta[t] * torch.outer(k[t], v[t] - S.T @ k[t])
+        rows.append(S.T @ q[t])
+    return torch.stack(rows), S
+
+
+class _NoLibrary:
+    """Inside `with _NoLibrary():`, the package's own delta-rule and chunked forms raise: the capstone is to be
+    built from tensor operations, not by calling the implementation the chapter shows."""
+
+    TARGETS = (
+        ("kda_edu.ops.delta_rule", ("delta_rule_recurrent", "delta_rule_chunked")),
+        ("kda_edu.ops.kda", ("kda_recurrent", "kda_chunked")),
+        ("kda_edu.ops.gated_delta", ("gated_delta_recurrent", "gated_delta_chunked")),
+        ("kda_edu.ops.chunkwise", ("kda_chunked_matmul", "kda_scan", "ut_transform", "forward_substitution")),
+        ("kda_edu.ops._chunks", ("state_passing",)),
+        ("kda_edu.ops.recurrence", ("general_recurrence",)),
+    )
+
+    def __init__(self, fn=None):
+        self.fn = fn
+
+    def __enter__(self):
+        import importlib
+
+        self.saved = []
+        for module_name, names in self.TARGETS:
+            module = importlib.import_module(module_name)
+            for name in names:
+                if hasattr(module, name):
+                    self.saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, self._refuse(f"{module_name}.{name}"))
+        # A name imported before the check (`from kda_edu.ops.kda import kda_chunked`) is bound in the
+        # reader's module already: look it up among the globals the function reads.
+        code, known = (
+            getattr(self.fn, "__code__", None),
+            {id(f): f"{m.__name__}.{n}" for m, n, f in self.saved},
+        )
+        for name in code.co_names if code is not None else ():
+            qualified = known.get(id(getattr(self.fn, "__globals__", {}).get(name)))
+            if qualified is not None:
+                self.__exit__()
+                raise WrongAnswer(f"your function calls {qualified}: build the chunks from tensor operations")
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+
+    @staticmethod
+    def _refuse(qualified: str):
+        def refuse(*args, **kwargs):
+            raise WrongAnswer(f"your function called {qualified}: build the chunks from tensor operations")
+
+        return refuse
+
+
+def _run_chunked(fn, q, k, v, beta, C):
+    T, V = v.shape
+    try:
+        with _NoLibrary(fn):
+            out = fn(q.clone(), k.clone(), v.clone(), beta.clone(), C)
+    except WrongAnswer:
+        raise
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+    expect(
+        isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out),
+        "your function must return a pair (o [T, V], final state [K, V])",
+    )
+    o, S = out
+    expect(
+        tuple(o.shape) == (T, V) and tuple(S.shape) == (k.shape[1], V),
+        f"expected o of shape {(T, V)} and a final state of shape {(k.shape[1], V)}, got {tuple(o.shape)} and "
+        f"{tuple(S.shape)}",
+    )
+    return o, S
+
+
+def check_chunked_delta_rule(chunked) -> str:
+    """`chunked(q, k, v, beta, C)`: the delta rule's outputs and final state, computed chunk by chunk."""
+    gen = torch.Generator().manual_seed(65)
+    for T, K, V, C in ((1, 4, 3, 4), (16, 8, 8, 16), (37, 8, 5, 16), (64, 16, 12, 8), (50, 6, 6, 64)):
+        q = torch.randn(T, K, generator=gen, dtype=torch.float64)
+        k, beta = _keys(T, K, gen)
+        v = torch.randn(T, V, generator=gen, dtype=torch.float64)
+        o, S = _run_chunked(chunked, q, k, v, beta, C)
+        o_ref, S_ref = _delta_rule_loop(q, k, v, beta)
+        o_err, S_err = (o - o_ref).abs().max().item(), (S - S_ref).abs().max().item()
+        expect(
+            o_err < 1e-9,
+            f"for T = {T}, C = {C}, your outputs differ from the loop's by up to {o_err:.3g}. Hints: A is "
+            "strictly lower triangular (j < i), the output's Tril(Q K^T) keeps the diagonal (j <= i), and "
+            "U = u - w S uses the state entering the chunk.",
+        )
+        expect(
+            S_err < 1e-9,
+            f"for T = {T}, C = {C}, the outputs are right but the final state is off by {S_err:.3g}: "
+            "S <- S + K^T U after each chunk, the last (shorter) chunk included.",
+        )
+    # A chunked form runs a fixed amount of work per chunk, whatever C is: four chunks of 64 must not dispatch
+    # many more operations than four chunks of 16 (a loop over tokens or rows would dispatch four times as many).
+    counts = {}
+    for C in (16, 64):
+        T, K, V = 4 * C, 8, 8
+        q = torch.randn(T, K, generator=gen, dtype=torch.float64)
+        k, beta = _keys(T, K, gen)
+        v = torch.randn(T, V, generator=gen, dtype=torch.float64)
+        with _Operations() as ops:
+            _run_chunked(chunked, q, k, v, beta, C)
+        counts[C] = len(ops.names)
+    expect(
+        counts[64] <= 1.5 * counts[16] + 8,
+        f"right answers, but not chunked: four chunks of 64 ran {counts[64]} operations against {counts[16]} for "
+        "four chunks of 16. Loop over chunks only; inside a chunk use matrix products and one triangular "
+        "solve (or exercise 2's inverse).",
+    )
+    return passed("The chunked delta rule matches the loop, with a fixed number of operations per chunk.")

@@ -29,7 +29,23 @@ CASES = [
             )
         ),
     ),
+    (
+        ch06.check_chunked_delta_rule,
+        ch06.solution_chunked_delta_rule,
+        lambda q, k, v, beta, C: _without_intra_chunk_terms(q, k, v, beta, C),
+    ),
 ]
+
+
+def _without_intra_chunk_terms(q, k, v, beta, C):
+    # wrong: each chunk's values are corrected by the entering state only, as if A were zero
+    S, o = k.new_zeros(k.shape[1], v.shape[1]), torch.empty_like(v)
+    for start in range(0, k.shape[0], C):
+        rows = slice(start, start + C)
+        U = beta[rows, None] * (v[rows] - k[rows] @ S)
+        o[rows] = q[rows] @ S + (q[rows] @ k[rows].T).tril() @ U
+        S = S + k[rows].T @ U
+    return o, S
 
 
 test_solution_passes, test_wrong_answer_is_rejected = checker_tests(CASES)
@@ -87,3 +103,42 @@ def test_squaring_exercise_rejects_the_shortcuts(shortcut, message):
 def test_block_exercise_rejects_the_shortcuts(shortcut, message):
     with pytest.raises(WrongAnswer, match=message):
         ch06.check_block_inverse(shortcut)
+
+
+def _token_loop(q, k, v, beta, C):
+    # right, but one step per token: C plays no part
+    return ch06._delta_rule_loop(q, k, v, beta)
+
+
+def _calls_the_library(q, k, v, beta, C):
+    from kda_edu.ops.delta_rule import delta_rule_chunked
+
+    o, S = delta_rule_chunked(
+        q[None, :, None],
+        k[None, :, None],
+        v[None, :, None],
+        beta[None, :, None],
+        scale=1.0,
+        chunk_size=C,
+        output_final_state=True,
+    )
+    return o[0, :, 0], S[0, 0]
+
+
+@pytest.mark.parametrize(
+    "shortcut, message",
+    [(_token_loop, "not chunked"), (_calls_the_library, "delta_rule_chunked")],
+    ids=["token_loop", "library"],
+)
+def test_capstone_rejects_the_shortcuts(shortcut, message):
+    with pytest.raises(WrongAnswer, match=message):
+        ch06.check_chunked_delta_rule(shortcut)
+
+
+def test_capstone_leaves_the_library_intact():
+    from kda_edu.ops import delta_rule
+
+    original = delta_rule.delta_rule_chunked
+    with pytest.raises(WrongAnswer):
+        ch06.check_chunked_delta_rule(_calls_the_library)
+    assert delta_rule.delta_rule_chunked is original

@@ -57,15 +57,19 @@ test: $(STAMP) $(ASSETS) lint unit notebooks notebooks-loaded build-strict brows
 
 ## test-fast: lint and the unit tests not marked slow (for development; `make test` runs everything)
 test-fast: $(STAMP) lint
-	$(BIN)/python -m pytest tests -m "not slow" -q
+	$(BIN)/python -m pytest tests -m "not slow" -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check kda_edu tests tools bench
 
+# The unit tests run in one process per core, up to four (each holds its own PyTorch); TEST_WORKERS=0 runs them
+# in this process.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+
 unit: $(STAMP)
 	@mkdir -p $(REPORTS)
-	$(BIN)/python -m pytest tests --junitxml=$(REPORTS)/unit.xml
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist worksteal --junitxml=$(REPORTS)/unit.xml
 
 notebooks: $(STAMP)
 	@mkdir -p $(REPORTS)

@@ -1,15 +1,9 @@
 """Chapter 12's reading of a recall sweep (`kda_edu.training.sweep` trains it and `summarize`s it): the
-orderings, tiers, tables and curves the chapter shows."""
+tiers that the seeds can order, the pairwise comparisons, the tables and curves the chapter shows."""
 
 import statistics
 
 from kda_edu.layers.mixers import LABELS
-
-
-def ordering(summary: list[dict], task: str, seq_len: int) -> list[str]:
-    """The mixers of one task and length, best mean accuracy first."""
-    rows = [r for r in summary if r["task"] == task and r["seq_len"] == seq_len]
-    return [r["mixer"] for r in sorted(rows, key=lambda r: -r["mean"])]
 
 
 def tiers(summary: list[dict], task: str, seq_len: int) -> list[list[str]]:
@@ -28,9 +22,20 @@ def tiers(summary: list[dict], task: str, seq_len: int) -> list[list[str]]:
     return [[r["mixer"] for r in g] for g in groups]
 
 
-def tier_text(groups: list[list[str]]) -> str:
+SHORT = {
+    "linear_attention": "linear",
+    "decay_only": "decay",
+    "deltanet": "DeltaNet",
+    "gated_deltanet": "GDN",
+    "kda": "KDA",
+    "attention": "softmax",
+}
+"""Short names for printed lines: linear attention, decay only, DeltaNet, Gated DeltaNet, KDA, softmax attention."""
+
+
+def tier_text(groups: list[list[str]], labels: dict[str, str] = LABELS) -> str:
     """Tiers as text: `>` between tiers, `~` inside one (e.g. "attention > KDA ~ DeltaNet > ...")."""
-    return " > ".join(" ~ ".join(LABELS[m] for m in g) for g in groups)
+    return " > ".join(" ~ ".join(labels[m] for m in g) for g in groups)
 
 
 def seed_relation(summary: list[dict], task: str, seq_len: int, a: str, b: str) -> str:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from kda_edu.chapters.ch12_recall_sweep import seed_relation, tier_text, tiers
+from kda_edu.chapters.ch12_recall_sweep import SHORT, seed_relation, tier_text, tiers
 from kda_edu.training.sweep import PRESETS, RunPool, cost, expected_seconds, run_specs, run_sweep, summarize
 
 
@@ -293,3 +293,4 @@ def test_tiers_split_only_where_every_seed_above_beats_every_seed_below():
     assert tiers(summary, "mqar", 256) == [["deltanet", "attention", "kda"]]
     assert seed_relation(summary, "mqar", 256, "deltanet", "kda") == ">"  # the pair is still ordered
     assert tier_text([["deltanet"], ["kda", "attention"]]) == "DeltaNet > KDA ~ softmax attention"
+    assert tier_text([["deltanet"], ["kda", "attention"]], SHORT) == "DeltaNet > KDA ~ softmax"

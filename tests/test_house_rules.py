@@ -28,10 +28,12 @@ COVERED = [
     "book/06_chunkwise.md",
     "book/10_kda_layer.md",
     "book/11_hybrid.md",
+    "book/12_training.md",
     "book/13_inference.md",
     "book/14_kimi_k3.md",
     "book/15_context_parallel.md",
     "book/appendix_measuring.md",
+    "book/appendix_debugging.md",
 ]
 
 HIDDEN_TAGS = {"hide-input", "remove-input", "remove-cell"}

@@ -20,13 +20,11 @@
   used for the diagonal blocks, kept to show why it was dropped.
 - `design_traffic` and `design_flops` count what the four kernels move and compute per token and head;
   `gram_block_flops` counts the useful part of the gram kernel's products (the ten blocks on and below the
-  diagonal).
-- `crossover`, `plot_times` and `plot_rates` draw a committed forward benchmark (read with
-  `kda_edu.book.bench_result`).
-- `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor by registers;
-  `fixed_cost_lengths` finds where a sweep's time stops growing with T (a fixed cost per call dominates).
+  diagonal); `counted_design_flops` runs PyTorch's FLOP counter on the PyTorch forms of the products.
+- `crossover` finds where one method's times overtake another's; `plot_rates` draws a committed forward
+  benchmark (read with `kda_edu.book.bench_result`).
 - `hopper_instructions` compiles kernels for the H200 (sm_90) without a GPU and counts the tensor-core
-  instructions and TMA copies in their PTX: chunk_kda's four, `gram16_kernel`, and `tile_product` (one
+  instructions, TMA copies and the fences before warpgroup products in their PTX: chunk_kda's four, `gram16_kernel`, and `tile_product` (one
   product) and `tile_product_tma` (the same through tensor descriptors). `block_pointer_copy` runs a kernel
   written with block pointers, to see whether the installed Triton still accepts them.
 - `LADDER` lists the versions of the forward the chapter builds, from `ch08_chunk_v0` to the kernels of
@@ -581,14 +579,52 @@ def algorithm_flops(d: int, C: int = CHUNK) -> int:
     return 6 * d * d + 3 * C * d + C * C
 
 
+def counted_flops(fn) -> float:
+    """FLOPs of the matrix products `fn()` runs, as PyTorch's counter (`FlopCounterMode`) finds them: two per
+    multiply-add, element-wise work not counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def counted_design_flops(K: int = 128, V: int = 128, C: int = CHUNK, sub: int = SUB) -> dict[str, float]:
+    """Per token and head, the FLOPs of the PyTorch forms of the design's matrix products as `counted_flops`
+    finds them on four chunks of random float64 inputs: the entries of `design_flops` that are products (the
+    scan's two as one, "scan"), and three forms the design does not use: the useful blocks of the gram
+    products (chapter 6's `intra_chunk_matrices`), the whole-chunk inverse by the product form
+    (`neumann_block_inverse` at n = C), and w and u by block forward substitution instead of the product with
+    the whole X. The diagonal block inverses are element-wise: the counter does not see them."""
+    from kda_edu.ops.chunkwise import random_inputs, state_passing
+
+    n = 4 * C
+    x = random_inputs(1, n, 1, K, V, dtype=torch.float64)
+    c = chunk_inputs(**x, scale=None, chunk_size=C)
+    A, Aqk = intra_chunk_matrices(c.q, c.k, c.gc, c.beta, sub)
+    X = block_inverse(A, sub)
+    rhs = c.beta[..., None] * torch.cat([c.k * c.gc.exp(), c.v], -1)
+    w, u = (X @ rhs).split(K, -1)
+
+    def count(fn):
+        return counted_flops(fn) / n
+
+    return {
+        "gram: A, Aqk left of the diagonal (masked)": count(
+            lambda: [left_of_diagonal(c.q, c.k, c.g, j, sub) for j in range(C // sub - 1)]
+        ),
+        "gram: A, Aqk diagonal blocks (anchored)": count(lambda: diagonal_product(c.q, c.k, c.g, sub)),
+        "inverse: blocks of X left of the diagonal": count(lambda: block_inverse(A, sub)),
+        "wu: X times [K * 2^gc, V]": count(lambda: X @ rhs),
+        "scan": count(lambda: state_passing(c.q, c.k, c.gc, Aqk, w, u, c.q.new_zeros(1, 1, K, V))),
+        "useful gram blocks": count(lambda: intra_chunk_matrices(c.q, c.k, c.gc, c.beta, sub)),
+        "whole inverse by products": count(lambda: neumann_block_inverse(A)),
+        "w, u by block substitution": count(lambda: block_forward_substitution(A, rhs, sub)),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The committed benchmark
-
-
-def times(rows: list[dict], method: str) -> tuple[list[int], list[float]]:
-    """(T, ms) of `method` over benchmark rows, skipping rows where it did not run."""
-    pts = [(r["T"], r["methods"][method]["ms"]) for r in rows if "ms" in r["methods"].get(method, {})]
-    return [t for t, _ in pts], [m for _, m in pts]
 
 
 def crossover(T: list[float], t_a: list[float], t_b: list[float]) -> float | None:
@@ -612,15 +648,6 @@ STYLE = {
     "torch sdpa flash causal": dict(marker="x", color="k"),
     "kda_edu kda_chunked (PyTorch)": dict(marker="d", color="C7"),
 }
-
-
-def plot_times(ax, bench: dict) -> None:
-    """Time against T (log-log) for every method of the benchmark's sweep."""
-    for method, style in STYLE.items():
-        T, ms = times(bench["sweep"], method)
-        if T:
-            ax.loglog(T, ms, label=method, **style)
-    ax.legend(fontsize=8)
 
 
 def plot_rates(axes, bench: dict) -> None:
@@ -649,33 +676,11 @@ def plot_rates(axes, bench: dict) -> None:
     axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def fixed_cost_lengths(T: list[int], t: list[float], growth: float = 1.5) -> list[int]:
-    """The lengths of a sweep (T doubling from one length to the next) up to the first doubling that grows
-    the time `t` by more than `growth`: where a cost per call that does not depend on T dominates.
-
-    A time proportional to T doubles with T, a fixed cost does not grow at all; `growth` = 1.5 lies halfway.
-    """
-    if any(b != 2 * a for a, b in zip(T[:-1], T[1:], strict=True)):
-        raise ValueError(f"the lengths must double from one to the next, got {T}")
-    n = 1
-    while n < len(T) and t[n] <= growth * t[n - 1]:
-        n += 1
-    return T[:n]
-
-
 # ---------------------------------------------------------------------------------------------------------
-# The H200: how many programs fit, and which instructions the compiler picks
+# The H200: which instructions the compiler picks
 
-# 132 multiprocessors; per multiprocessor (compute capability 9.0) 65,536 registers and at most 64 warps;
-# at most 227 kB of shared memory per program (block).
-H200 = dict(sms=132, registers_per_sm=65536, warps_per_sm=64, warp=32, shared_per_block=227 * 1024)
-
-
-def programs_per_sm(regs: int, warps: int, registers_per_sm: int = H200["registers_per_sm"]) -> int:
-    """Programs of a kernel compiled to `regs` registers per thread, `warps` warps per program, that one
-    multiprocessor's register file holds at once (registers are given out per warp, rounded up to 8 per thread)."""
-    per_warp = math.ceil(regs / 8) * 8 * H200["warp"]
-    return registers_per_sm // (per_warp * warps)
+# 132 multiprocessors; at most 227 kB of shared memory per program (block).
+H200 = dict(sms=132, shared_per_block=227 * 1024)
 
 
 @jit
@@ -716,8 +721,14 @@ def block_pointer_copy(x: torch.Tensor) -> torch.Tensor:
 
 
 # What to look for in the PTX: Hopper's warpgroup products, the mma.sync products every GPU since Ampere has,
-# and the TMA's bulk tensor copies.
-PTX_COUNTS = {"wgmma": "wgmma.mma_async", "mma.sync": "mma.sync", "TMA copies": "cp.async.bulk.tensor"}
+# the TMA's bulk tensor copies, and the fences that make a store to shared memory visible to the tensor cores
+# (a wgmma reads its B operand from shared memory only).
+PTX_COUNTS = {
+    "wgmma": "wgmma.mma_async",
+    "mma.sync": "mma.sync",
+    "TMA copies": "cp.async.bulk.tensor",
+    "fences": "fence.proxy.async",
+}
 
 _BF16_MID = dict(w="*bf16", u="*bf16", qg="*bf16", kd="*bf16", aqk="*bf16", gl="*fp32")
 

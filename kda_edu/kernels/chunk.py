@@ -32,10 +32,13 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA with Triton kernels; the contract of `kda_edu.ops.kda.kda_chunked`, with the differences below.
 
-    The forward runs four kernels (`kda_edu.kernels.chunk_fwd`). When any input requires a gradient, the call goes
-    through `ChunkKDAFunction`, whose backward kernels give gradients for q, k, v, g,
-    beta and initial_state: first derivatives only (a backward with create_graph=True raises a RuntimeError;
-    `kda_chunked` has second derivatives). The backward is as causal as the forward: with a bad value at step
+    The forward launches the four kernels of `kda_edu.kernels.chunk_fwd` (gram, inverse, w/u, scan) once per
+    piece of the time axis: four launches in all, unless `chunk_launch.time_pieces` cuts a long sequence into
+    pieces on a GPU (then four per piece, each piece's scan on a second stream). On CUDA with the default
+    `check_inputs`, a fill of the one-number flag buffer and its copy to the host come on top. When any input
+    requires a gradient, the call goes through `ChunkKDAFunction`, whose backward kernels give gradients for
+    q, k, v, g, beta and initial_state: first derivatives only (a backward with create_graph=True raises a
+    RuntimeError; `kda_chunked` has second derivatives). The backward is as causal as the forward: with a bad value at step
     t, the gradients of the earlier steps for a loss on the outputs before t are those of the clean prefix.
 
     Args:

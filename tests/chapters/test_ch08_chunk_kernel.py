@@ -6,7 +6,6 @@ import warnings
 import pytest
 import torch
 
-from kda_edu.book import bench_result
 from kda_edu.chapters import ch08_chunk_kernel as ck
 from kda_edu.ops.chunkwise import random_inputs
 from kda_edu.ops.kda import kda_recurrent
@@ -202,33 +201,17 @@ def test_per_block_path_in_both_gram_kernels():
         assert rel(o, o_ref) <= TOL and rel(ht, ht_ref) <= TOL, name
 
 
-def test_benchmark_file_and_crossover():
-    bench = bench_result("h200_forward.json")
-    T, ours = ck.times(bench["sweep"], "kda_edu chunk_kda")
-    _, sdpa = ck.times(bench["sweep"], "torch sdpa flash causal")
-    # Linear against quadratic: ours is faster at the longest length; a crossover, if any, lies inside the sweep.
-    assert ours[-1] < sdpa[-1]
-    x = ck.crossover(T, ours, sdpa)
-    assert x is None or T[0] < x < T[-1]
+def test_crossover():
     assert math.isclose(ck.crossover([1.0, 4.0], [2.0, 8.0], [1.0, 16.0]), 2.0)  # 2 T meets T^2 at T = 2
     assert ck.crossover([1.0, 4.0], [2.0, 8.0], [1.0, 4.0]) is None
 
 
-def test_fixed_cost_lengths_flat_then_linear():
-    T = [1024 * 2**i for i in range(6)]
-    flat_then_linear = [1.0, 0.9, 1.0, 1.1, 2.2, 4.4]
-    assert ck.fixed_cost_lengths(T, flat_then_linear) == T[:4]
-    assert ck.fixed_cost_lengths(T, [0.1 * 2**i for i in range(6)]) == T[:1]  # linear from the start
-    assert ck.fixed_cost_lengths(T, [1.0] * 6) == T  # never grows
-    with pytest.raises(ValueError, match="double"):
-        ck.fixed_cost_lengths([1024, 3072], [1.0, 1.0])
-
-
-def test_programs_per_sm():
-    assert ck.programs_per_sm(255, 4) == 2  # 256 x 128 = 32768 registers: half the file
-    assert ck.programs_per_sm(96, 4) == 5
-    assert ck.programs_per_sm(128, 4) == 4 and ck.programs_per_sm(129, 4) == 3  # rounded up to 136
-    assert ck.programs_per_sm(32, 1) == 64
+def test_counted_flops_are_the_design_counts():
+    """PyTorch's FLOP counter on the PyTorch forms finds `design_flops`' products exactly (C = 32: quick)."""
+    counted, design = ck.counted_design_flops(64, 32, C=32), ck.design_flops(64, 32, C=32)
+    assert all(counted[n] == f for n, f in design.items() if n in counted)
+    assert counted["scan"] == design["scan: w S, qg S, kd^T U"] + design["scan: Aqk U"]
+    assert counted["useful gram blocks"] == ck.gram_block_flops(64, C=32)
 
 
 def test_hopper_instructions_of_one_product():

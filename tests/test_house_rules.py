@@ -26,6 +26,7 @@ COVERED = [
     "book/04_gated_delta.md",
     "book/05_kda.md",
     "book/06_chunkwise.md",
+    "book/08_chunk_kernel.md",
     "book/10_kda_layer.md",
     "book/11_hybrid.md",
     "book/12_training.md",
@@ -34,6 +35,7 @@ COVERED = [
     "book/15_context_parallel.md",
     "book/appendix_measuring.md",
     "book/appendix_debugging.md",
+    "book/appendix_kernel_history.md",
 ]
 
 HIDDEN_TAGS = {"hide-input", "remove-input", "remove-cell"}

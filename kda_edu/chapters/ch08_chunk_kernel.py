@@ -23,7 +23,8 @@
   diagonal).
 - `crossover`, `plot_times` and `plot_rates` draw a committed forward benchmark (read with
   `kda_edu.book.bench_result`).
-- `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor by registers;
+- `programs_per_sm` is how many programs of a compiled kernel fit on one H200 multiprocessor (the minimum of
+  the register, shared-memory, warp and block limits);
   `fixed_cost_lengths` finds where a sweep's time stops growing with T (a fixed cost per call dominates).
 - `hopper_instructions` compiles kernels for the H200 (sm_90) without a GPU and counts the tensor-core
   instructions and TMA copies in their PTX: chunk_kda's four, `gram16_kernel`, and `tile_product` (one
@@ -671,11 +672,14 @@ def fixed_cost_lengths(T: list[int], t: list[float], growth: float = 1.5) -> lis
 H200 = dict(sms=132, registers_per_sm=65536, warps_per_sm=64, warp=32, shared_per_block=227 * 1024)
 
 
-def programs_per_sm(regs: int, warps: int, registers_per_sm: int = H200["registers_per_sm"]) -> int:
-    """Programs of a kernel compiled to `regs` registers per thread, `warps` warps per program, that one
-    multiprocessor's register file holds at once (registers are given out per warp, rounded up to 8 per thread)."""
-    per_warp = math.ceil(regs / 8) * 8 * H200["warp"]
-    return registers_per_sm // (per_warp * warps)
+def programs_per_sm(regs: int, warps: int, shared: int = 0) -> int:
+    """Programs of a kernel compiled to `regs` registers per thread, `warps` warps per program and `shared` bytes
+    of shared memory per program that one H200 multiprocessor holds at once: the minimum of its register,
+    shared-memory, warp and block limits (chapter 7's `occupancy`, with the H200's limits, those of compute
+    capability 9.0). Leaving `shared` at 0 counts a kernel as if it used none: pass what it compiled to."""
+    from kda_edu.chapters.ch07_primer import H100, occupancy
+
+    return occupancy(regs, shared, warps, H100._replace(name="H200 (sm_90)", sms=H200["sms"])).blocks_per_sm
 
 
 @jit

@@ -228,7 +228,11 @@ def test_programs_per_sm():
     assert ck.programs_per_sm(255, 4) == 2  # 256 x 128 = 32768 registers: half the file
     assert ck.programs_per_sm(96, 4) == 5
     assert ck.programs_per_sm(128, 4) == 4 and ck.programs_per_sm(129, 4) == 3  # rounded up to 136
-    assert ck.programs_per_sm(32, 1) == 64
+    assert ck.programs_per_sm(32, 1) == 32  # the registers would allow 64: the SM's 32 blocks bind
+    assert (
+        ck.programs_per_sm(96, 4) == 5 and ck.programs_per_sm(96, 4, shared=123136) == 1
+    )  # the scan's tiles
+    assert ck.programs_per_sm(96, 4, shared=112 * 1024) == 2  # 113 kB with the driver's 1 kB: two of 228 kB
 
 
 def test_hopper_instructions_of_one_product():

@@ -1,9 +1,9 @@
 """Exercises of chapter 9 (the backward pass and decoding): checkers and worked solutions.
 
-Each `check_*` takes the reader's function, runs it on random float64 inputs and compares it with autograd
-(exercises 1, 2 and 4) or with the byte count the decode benchmark uses (exercise 3); each `solution_*` is the
-worked solution the book shows. Exercise 4's checker runs the reader's function with autograd switched off
-(`torch.autograd.grad`, `backward` and `torch.func`'s transforms raise), so the pass must be written by hand.
+Each `check_*` takes the reader's function, runs it on random float64 inputs and compares it with autograd;
+each `solution_*` is the worked solution the book shows. Exercise 3's checker runs the reader's function with
+autograd switched off (`torch.autograd.grad`, `backward` and `torch.func`'s transforms raise), so the pass must
+be written by hand.
 """
 
 import contextlib
@@ -106,36 +106,7 @@ def check_solve_backward(solve_backward) -> str:
     return passed("dA = -(X^T du) u^T: one extra solve, no second product with X.")
 
 
-# Exercise 3: the bytes a decoding step must move, and the floor they set.
-
-
-def solution_decode_floor_ms(B: int, HV: int, K: int, V: int, bandwidth_TBps: float) -> float:
-    """The float32 state (4 bytes a number) is read once and written once; at `bandwidth_TBps` (10^12 bytes
-    per second) that takes 2 * 4 B HV K V / bandwidth seconds."""
-    return 2 * 4 * B * HV * K * V / (bandwidth_TBps * 1e12) * 1e3
-
-
-def check_decode_floor_ms(decode_floor_ms) -> str:
-    """`decode_floor_ms(B, HV, K, V, bandwidth_TBps)`: the state's read + write time in milliseconds."""
-    for B, HV, K, V, bw in (
-        (64, 32, 128, 128, 4.244441459618731),
-        (1, 16, 64, 64, 3.0),
-        (8, 4, 128, 256, 2.0),
-    ):
-        got = _call(decode_floor_ms, B, HV, K, V, bw)
-        want = solution_decode_floor_ms(B, HV, K, V, bw)
-        expect(isinstance(got, (int, float)), f"return a number of milliseconds, got {type(got).__name__}")
-        if abs(got - want / 2) < 1e-9 * want:
-            raise WrongAnswer("that is the read alone: the updated state is written back too")
-        expect(
-            abs(got - want) <= 1e-6 * want,
-            f"B={B}, HV={HV}, K={K}, V={V} at {bw} TB/s: expected about {want:.4g} ms, got {got:.4g}. Hint: "
-            "the state is float32, 4 bytes a number, and 1 TB/s is 10^12 bytes per second.",
-        )
-    return passed("At B=64, HV=32, K=V=128 the state alone takes about 0.063 ms to stream through an H200.")
-
-
-# Exercise 4: the state-gradient pass, chunk by chunk, last chunk first.
+# Exercise 3: the state-gradient pass, chunk by chunk, last chunk first.
 
 
 def solution_state_gradients(qg, kd, gl, w, Aqk, dO, dht):

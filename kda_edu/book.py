@@ -32,21 +32,35 @@ def bench_result(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def show_source(obj):
+def show_source(obj, start: str | None = None, stop: str | None = None):
     """Display the source of a function, class or Triton kernel from ``kda_edu`` with its file and line.
 
+    With ``start`` (and ``stop``), only the lines from the first one containing ``start`` to the first one
+    after it containing ``stop`` (both included; to the end without ``stop``): the lines that matter of a
+    long kernel. A string that is not in the source raises ``ValueError``, so a listing cannot silently drift.
     Returns an IPython ``Markdown`` object, which a notebook renders as a highlighted code block.
     """
     from IPython.display import Markdown
 
     obj = getattr(obj, "fn", obj)  # a @triton.jit kernel wraps the Python function it was written as
-    lines, start = inspect.getsourcelines(obj)
+    lines, start_line = inspect.getsourcelines(obj)
+    if start is not None:
+        first = next((i for i, line in enumerate(lines) if start in line), None)
+        last = (
+            len(lines) - 1
+            if stop is None
+            else next((i for i, line in enumerate(lines) if i >= (first or 0) and stop in line), None)
+        )
+        if first is None or last is None:
+            raise ValueError(f"{obj.__qualname__}: no line contains {start if first is None else stop!r}")
+        indent = min(len(line) - len(line.lstrip()) for line in lines[first : last + 1] if line.strip())
+        lines, start_line = [line[indent:] for line in lines[first : last + 1]], start_line + first
     path = Path(inspect.getsourcefile(obj)).resolve()
     try:
         shown = path.relative_to(_ROOT)
     except ValueError:
         shown = path.name
-    header = f"`{shown}`, line {start}"
+    header = f"`{shown}`, line {start_line}"
     return Markdown(f"{header}\n\n```python\n{''.join(lines).rstrip()}\n```")
 
 

@@ -135,3 +135,14 @@ def test_time_call_restores_threads():
     before = torch.get_num_threads()
     assert time_call(torch.zeros, 3, repeats=1, threads=1) >= 0
     assert torch.get_num_threads() == before
+
+
+def test_show_source_shows_the_lines_that_matter():
+    from kda_edu.book import show_source, time_call
+
+    whole = show_source(time_call).data
+    part = show_source(time_call, start="def time_call", stop='"""').data
+    assert part.splitlines()[0] == whole.splitlines()[0]  # the same first line: the def
+    assert len(part) < len(whole) and part.split("```python\n")[1].startswith("def time_call")
+    with pytest.raises(ValueError, match="no line contains"):
+        show_source(time_call, start="not in the source")

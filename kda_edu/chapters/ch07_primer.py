@@ -11,6 +11,11 @@ one-liner for it, a PyTorch reference with the same contract:
 5. `chunked_linear_attention`: a loop over chunks that carries a `K x V` state in registers, the shape of
    KDA's sequential kernel; reference `kda_edu.ops.linear_attention.linear_attention_parallel`.
 
+6. The GPU underneath: `occupancy` models how many programs of a compiled kernel one multiprocessor holds at
+   once (the minimum of its register, shared-memory, warp and block limits), for limits read from the running
+   GPU (`device_limits`) or the documented ones of an H100 and a T4 (`H100`, `T4`); `compiled_resources`
+   compiles `batched_matmul_kernel` for an H100 without a GPU and reports its registers and shared memory.
+
 The two kernels with `tl.dot` take its `input_precision` ("tf32", "tf32x3" or "ieee"): how a GPU multiplies
 float32 blocks. `dot_error_bound` says how far from the exact product each choice may land.
 
@@ -24,6 +29,12 @@ so the launchers refuse them everywhere.
 """
 
 import inspect
+import math
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -418,3 +429,146 @@ def gpu_bandwidth(sizes: list[int]) -> dict[str, list[float]]:
             ms = do_bench(fn, return_mode="median")
             out[name].append(nbytes / (ms * 1e-3) / 1e9)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. The GPU underneath: how many programs fit on one multiprocessor
+
+
+class DeviceLimits(NamedTuple):
+    """What one streaming multiprocessor (SM) of a GPU offers the programs resident on it at once."""
+
+    name: str
+    sms: int  # multiprocessors on the chip
+    registers_per_sm: int  # 32-bit registers in one SM's register file
+    max_registers_per_thread: int
+    shared_per_sm: int  # bytes of shared memory the SM can give to resident programs (blocks)
+    shared_per_block: int  # bytes one block may use at most (the opt-in maximum)
+    reserved_shared_per_block: int  # bytes the CUDA driver keeps per block on top of what the kernel asks for
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+    register_unit: int = 256  # registers are given to a warp in units of this many (8 per thread)
+    shared_unit: int = 128  # shared memory is given to a block in units of this many bytes
+
+
+KB = 1024
+# Example inputs for a CPU, from NVIDIA's documentation (CUDA C++ Programming Guide, "Technical Specifications
+# per Compute Capability", and the product pages for the multiprocessor counts): an H100 SXM (compute capability
+# 9.0) and a T4 (7.5).
+H100 = DeviceLimits("H100 SXM (sm_90)", sms=132, registers_per_sm=65536, max_registers_per_thread=255,
+                    shared_per_sm=228 * KB, shared_per_block=227 * KB, reserved_shared_per_block=1 * KB,
+                    max_warps_per_sm=64, max_blocks_per_sm=32)  # fmt: skip
+T4 = DeviceLimits("T4 (sm_75)", sms=40, registers_per_sm=65536, max_registers_per_thread=255,
+                  shared_per_sm=64 * KB, shared_per_block=64 * KB, reserved_shared_per_block=0,
+                  max_warps_per_sm=32, max_blocks_per_sm=16, shared_unit=256)  # fmt: skip
+# Resident blocks per SM by compute capability (the one limit torch's device properties do not report).
+MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 9): 24, (9, 0): 32}
+
+
+def device_limits(index: int = 0) -> DeviceLimits:
+    """The limits of CUDA device `index`, read from `torch.cuda.get_device_properties` where it reports them
+    (multiprocessors, registers, shared memory per block and per SM, threads per SM); the rest (registers per
+    thread, blocks per SM, the driver's reserve) from the compute capability's documented values."""
+    props = torch.cuda.get_device_properties(index)
+    cc = (props.major, props.minor)
+    base = H100 if cc >= (8, 0) else T4
+    return base._replace(
+        name=f"{props.name} (sm_{props.major}{props.minor})",
+        sms=props.multi_processor_count,
+        registers_per_sm=getattr(props, "regs_per_multiprocessor", base.registers_per_sm),
+        shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", base.shared_per_sm),
+        shared_per_block=getattr(props, "shared_memory_per_block_optin", base.shared_per_block),
+        max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 32 * base.max_warps_per_sm) // 32,
+        max_blocks_per_sm=MAX_BLOCKS_PER_SM.get(cc, min(MAX_BLOCKS_PER_SM.values())),
+    )
+
+
+class Occupancy(NamedTuple):
+    """`occupancy`'s answer: programs (blocks) resident per SM, the limit that sets it, each limit's count."""
+
+    blocks_per_sm: int
+    limit: str  # "registers", "shared memory", "warps" or "blocks"
+    by_limit: dict
+    warps_per_sm: int  # resident warps: blocks_per_sm * num_warps
+    fraction: float  # warps_per_sm / the SM's maximum: the "occupancy" a profiler reports
+
+
+def occupancy(
+    regs_per_thread: int, shared_per_block: int, num_warps: int, device: DeviceLimits = H100
+) -> Occupancy:
+    """How many programs of a compiled kernel fit on one multiprocessor at once, and which limit binds.
+
+    A program (a CUDA block) of `num_warps` warps takes registers for each of its threads (`regs_per_thread`,
+    rounded up so that a warp takes a whole number of `register_unit`s) and `shared_per_block` bytes of shared
+    memory (plus the driver's reserve, rounded up to `shared_unit`). Each resource allows some number of
+    programs; the SM also caps its warps and its blocks. The answer is the minimum of the four.
+    Raises ValueError for a kernel that cannot run on the device at all.
+    """
+    if not 0 < regs_per_thread <= device.max_registers_per_thread:
+        raise ValueError(
+            f"{regs_per_thread} registers per thread: the limit is {device.max_registers_per_thread}"
+        )
+    if not 0 <= shared_per_block <= device.shared_per_block:
+        raise ValueError(
+            f"{shared_per_block} bytes of shared memory: a block may use {device.shared_per_block}"
+        )
+    if num_warps < 1 or num_warps > device.max_warps_per_sm:
+        raise ValueError(f"{num_warps} warps per program: an SM holds {device.max_warps_per_sm}")
+    per_warp = math.ceil(regs_per_thread * 32 / device.register_unit) * device.register_unit
+    shared = math.ceil((shared_per_block + device.reserved_shared_per_block) / device.shared_unit)
+    shared *= device.shared_unit
+    by_limit = {
+        "registers": device.registers_per_sm // (per_warp * num_warps),
+        "shared memory": device.shared_per_sm // shared if shared else device.max_blocks_per_sm,
+        "warps": device.max_warps_per_sm // num_warps,
+        "blocks": device.max_blocks_per_sm,
+    }
+    limit = min(by_limit, key=by_limit.get)  # the first of the smallest: registers before the others
+    blocks = by_limit[limit]
+    return Occupancy(
+        blocks, limit, by_limit, blocks * num_warps, blocks * num_warps / device.max_warps_per_sm
+    )
+
+
+def _cuobjdump() -> Path:
+    import triton.backends.nvidia as nvidia
+
+    return Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+
+
+def _resources_sm90(job: dict) -> dict:
+    """`batched_matmul_kernel` on bfloat16 compiled for sm_90 (nothing launched) with job's block, warps and
+    stages; its registers per thread (from the cubin, read by Triton's own cuobjdump) and shared memory."""
+    from kda_edu.kernels.offline import compile_source
+
+    constexprs = dict(
+        BM=job["block"][0], BN=job["block"][1], BK=job["block"][2], UPCAST=False, PRECISION=None
+    )
+    signature = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+    aligned = {
+        (i,): [["tt.divisibility", 16]] for i in range(6)
+    }  # as a launch on aligned tensors specialises
+    options = {"num_warps": job["warps"], "num_stages": job["stages"]}
+    compiled = compile_source(
+        batched_matmul_kernel,
+        signature | dict.fromkeys(constexprs, "constexpr"),
+        constexprs,
+        options,
+        (9, 0),
+        aligned,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(_cuobjdump()), "-res-usage", str(cubin)], capture_output=True, text=True)
+    regs = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+    return {**job, "regs": regs, "shared": compiled.metadata.shared}
+
+
+def compiled_resources(jobs: list[dict]) -> list[dict]:
+    """For each job `{"block": [BM, BN, BK], "warps": w, "stages": s}`: `batched_matmul_kernel` compiled for an
+    H100 (sm_90) without a GPU, with its registers per thread and shared memory in bytes (`"regs"`, `"shared"`).
+    The compiler runs in a fresh Python (`kda_edu.kernels.offline.in_fresh_python`), as chapter 8's do."""
+    from kda_edu.kernels.offline import in_fresh_python
+
+    return in_fresh_python(__name__, "_resources_sm90", jobs)

@@ -3,18 +3,22 @@
 - `kda_chunked_backward`: the gradients of `kda_edu.ops.kda.kda_chunked`, written out by hand chunk by chunk in
   float64, in the order the Triton backward (`kda_edu.kernels.chunk_bwd`) computes them. It also returns the
   state gradient at every chunk boundary, the quantity that runs backwards through time.
+- `make_inputs`: random KDA inputs with an initial state and upstream gradients, the chapter's test cases.
 - `input_grads`: autograd's answer for any KDA function, the reference the hand-written and Triton
   gradients are compared with.
 - `recompute_vs_store`: bytes per token a forward would have to keep for the backward against the FLOPs
   the backward spends recomputing them instead (chapter 8's `design_flops`, by kernel).
 - `outputs_and_grads` / `per_sequence_grads`: the same for one packed variable-length row (`cu_seqlens`) and
   for each of its sequences run alone, to show that packing changes nothing.
+- `record_launches`: every kernel launch of `chunk_kda`'s forward and backward, recorded (name, grid, switches).
 - `backward_memory`: the buffers the Triton backward allocates, kernel after kernel, and its peak; `versus`,
   `versus_range`: time ratios in words; `decode_bytes`, and the figures of the decode and forward + backward
   benchmarks (`plot_decode`, `plot_fwd_bwd`).
 """
 
+import contextlib
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 
@@ -52,6 +56,22 @@ def outputs_and_grads(
     loss = (o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()
     loss.backward()
     return o.detach(), ht.detach(), {n: x.grad for n, x in xs.items()}
+
+
+def make_inputs(T, H=1, K=16, V=16, HV=None, B=1, lower_bound=-1.0, seed=0, device="cpu"):
+    """Random KDA inputs (`kda_edu.ops.chunkwise.random_inputs`) with an initial state `h0`, and the upstream
+    gradients `(do, dht)`: returns `(inputs, do, dht)`, all float32 on `device`."""
+    from kda_edu.ops.chunkwise import random_inputs
+
+    x = random_inputs(B, T, H, K, V, HV=HV, lower_bound=lower_bound, seed=seed, device=device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hv = HV or H
+    x["h0"] = torch.randn(B, hv, K, V, generator=gen).to(device)
+    do, dht = (
+        torch.randn(B, T, hv, V, generator=gen).to(device),
+        torch.randn(B, hv, K, V, generator=gen).to(device),
+    )
+    return x, do, dht
 
 
 def input_grads(fn, inputs: dict, do: torch.Tensor, dht: torch.Tensor, dtype: torch.dtype = torch.float64):
@@ -351,6 +371,40 @@ BACKWARD_KERNELS = (  # in launch order: chunk_fwd.py's three prepare kernels ag
     "_local_k_kernel",
     "_local_dg_kernel",
 )
+
+
+class _Recorded:
+    """A kernel stand-in: records each launch (name, FIRST, grid, keyword arguments), then launches the kernel."""
+
+    def __init__(self, name, kernel, records):
+        self.name, self.kernel, self.records = name, kernel, records
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.records.append((self.name, kwargs.get("FIRST"), tuple(grid), kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside, every launch of chunk_fwd.py's four kernels and chunk_bwd.py's own five is recorded, in order, as
+    (name, FIRST, grid, keyword arguments), into the list this yields; each kernel still runs.
+
+    chunk_fwd.py's kernels are launched by chunk_fwd.py's code (`prepare_chunks`, `chunk_kda_fwd`) in the forward
+    and the backward alike, so they are replaced in chunk_fwd.py; chunk_bwd.py's own in chunk_bwd.py.
+    """
+    from kda_edu.kernels import chunk_bwd, chunk_fwd
+
+    records = []
+    own = [n for n in BACKWARD_KERNELS if n not in FORWARD_KERNELS]
+    with contextlib.ExitStack() as stack:
+        for module, names in ((chunk_fwd, FORWARD_KERNELS), (chunk_bwd, own)):
+            for name in names:
+                stand_in = _Recorded(name, getattr(module, name), records)
+                stack.enter_context(mock.patch.object(module, name, stand_in))
+        yield records
 
 
 def _pow2(n: int) -> int:

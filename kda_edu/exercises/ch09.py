@@ -1,9 +1,13 @@
 """Exercises of chapter 9 (the backward pass and decoding): checkers and worked solutions.
 
-Each `check_*` takes the reader's function, runs it on random float64 inputs and compares it with autograd
-(exercises 1 and 2) or with the byte count the decode benchmark uses (exercise 3); each `solution_*` is the
-worked solution the book shows.
+Each `check_*` takes the reader's function, runs it on random float64 inputs and compares it with autograd;
+each `solution_*` is the worked solution the book shows. Exercise 3's checker runs the reader's function with
+autograd switched off (`torch.autograd.grad`, `backward` and `torch.func`'s transforms raise), so the pass must
+be written by hand.
 """
+
+import contextlib
+from unittest import mock
 
 import torch
 
@@ -102,30 +106,85 @@ def check_solve_backward(solve_backward) -> str:
     return passed("dA = -(X^T du) u^T: one extra solve, no second product with X.")
 
 
-# Exercise 3: the bytes a decoding step must move, and the floor they set.
+# Exercise 3: the state-gradient pass, chunk by chunk, last chunk first.
 
 
-def solution_decode_floor_ms(B: int, HV: int, K: int, V: int, bandwidth_TBps: float) -> float:
-    """The float32 state (4 bytes a number) is read once and written once; at `bandwidth_TBps` (10^12 bytes
-    per second) that takes 2 * 4 B HV K V / bandwidth seconds."""
-    return 2 * 4 * B * HV * K * V / (bandwidth_TBps * 1e12) * 1e3
+def solution_state_gradients(qg, kd, gl, w, Aqk, dO, dht):
+    """The state gradients at the chunk boundaries of one head, from the last chunk to the first.
+
+    Per chunk n (forward: U = u - w S0, O = qg S0 + Aqk U, S_C = Diag(gl) S0 + kd^T U):
+    dU = Aqk^T dO + kd dS_C and dS0 = qg^T dO + Diag(gl) dS_C - w^T dU; chunk n's dS0 is chunk n-1's dS_C.
+    Returns `[NC + 1, K, V]`: entry n is dL/dS at the boundary before chunk n, the last entry is dht.
+    """
+    dS = dht
+    out = [dS]
+    for n in reversed(range(qg.shape[0])):
+        dU = Aqk[n].T @ dO[n] + kd[n] @ dS
+        dS = qg[n].T @ dO[n] + gl[n][:, None] * dS - w[n].T @ dU
+        out.insert(0, dS)
+    return torch.stack(out)
 
 
-def check_decode_floor_ms(decode_floor_ms) -> str:
-    """`decode_floor_ms(B, HV, K, V, bandwidth_TBps)`: the state's read + write time in milliseconds."""
-    for B, HV, K, V, bw in (
-        (64, 32, 128, 128, 4.244441459618731),
-        (1, 16, 64, 64, 3.0),
-        (8, 4, 128, 256, 2.0),
-    ):
-        got = _call(decode_floor_ms, B, HV, K, V, bw)
-        want = solution_decode_floor_ms(B, HV, K, V, bw)
-        expect(isinstance(got, (int, float)), f"return a number of milliseconds, got {type(got).__name__}")
-        if abs(got - want / 2) < 1e-9 * want:
-            raise WrongAnswer("that is the read alone: the updated state is written back too")
-        expect(
-            abs(got - want) <= 1e-6 * want,
-            f"B={B}, HV={HV}, K={K}, V={V} at {bw} TB/s: expected about {want:.4g} ms, got {got:.4g}. Hint: "
-            "the state is float32, 4 bytes a number, and 1 TB/s is 10^12 bytes per second.",
+def _chunk_pass(qg, kd, gl, w, u, Aqk, S0):
+    """The forward state pass over the chunks: the outputs and every state at a chunk boundary."""
+    states, outs = [S0], []
+    for n in range(qg.shape[0]):
+        S = states[-1]
+        U = u[n] - w[n] @ S
+        outs.append(qg[n] @ S + Aqk[n] @ U)
+        states.append(gl[n][:, None] * S + kd[n].T @ U)
+    return torch.stack(outs), states
+
+
+class _AutogradCalled(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _no_autograd():
+    """Autograd's entry points raise inside: the reader's pass must compute the gradients itself."""
+
+    def refuse(*args, **kwargs):
+        raise _AutogradCalled
+
+    names = [(torch.autograd, "grad"), (torch.autograd, "backward"), (torch.Tensor, "backward")]
+    names += [(torch.func, n) for n in ("grad", "vjp", "jacrev", "grad_and_value")]
+    with contextlib.ExitStack() as stack:
+        for owner, name in dict.fromkeys(names):
+            stack.enter_context(mock.patch.object(owner, name, refuse))
+        yield
+
+
+def check_state_gradients(state_gradients) -> str:
+    """`state_gradients(qg, kd, gl, w, Aqk, dO, dht) -> [NC + 1, K, V]`, the state gradients of one head
+    at every chunk boundary; compared with autograd of the loss sum(O dO) + sum(S_T dht) w.r.t. each state."""
+    gen = torch.Generator().manual_seed(94)
+    for NC, C, K, V in ((1, 4, 3, 2), (3, 8, 4, 5), (5, 16, 8, 8)):
+        r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+        qg, kd, w, u, dO = r(NC, C, K), r(NC, C, K), 0.3 * r(NC, C, K), r(NC, C, V), r(NC, C, V)
+        gl, Aqk, S0, dht = (
+            torch.rand(NC, K, generator=gen, dtype=torch.float64),
+            r(NC, C, C).tril(),
+            r(K, V),
+            r(K, V),
         )
-    return passed("At B=64, HV=32, K=V=128 the state alone takes about 0.063 ms to stream through an H200.")
+        S0.requires_grad_()
+        O, states = _chunk_pass(qg, kd, gl, w, u, Aqk, S0)
+        loss = (O * dO).sum() + (states[-1] * dht).sum()
+        want = torch.stack(torch.autograd.grad(loss, states, allow_unused=True)[:-1] + (dht,))
+        args = [t.clone() for t in (qg, kd, gl, w, Aqk, dO, dht)]
+        try:
+            with _no_autograd():
+                got = _call(state_gradients, *args)
+        except _AutogradCalled:
+            raise WrongAnswer("the pass calls autograd: write dU and dS by hand, chunk by chunk") from None
+        err = _close(got, want)
+        if err > 1e-10 and isinstance(got, torch.Tensor) and got.shape == want.shape and NC > 1:
+            expect(
+                _close(got[0], want[0]) < 1e-10 or _close(got[-2], want[-2]) > 1e-10,
+                "the last chunk is right but not the earlier ones: run the chunks from last to first",
+            )
+        expect(
+            err < 1e-10, f"NC={NC}: relative error {err:.1e} against autograd; dS0 = qg^T dO + gl dS - w^T dU"
+        )
+    return passed("dS runs from the last chunk to the first; each step needs dU of that chunk.")

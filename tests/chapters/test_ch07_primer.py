@@ -159,3 +159,36 @@ def test_unspecialised_reads_do_not_specialize():
 
     assert primer.unspecialised(chunk_fwd._chunk_scan_kernel) == {"NT", "N0", "CS", "CN"}
     assert primer.unspecialised(primer.add_kernel) == set()
+
+
+def test_occupancy_hand_worked_cases():
+    from kda_edu.chapters.ch07_primer import H100, T4, occupancy
+
+    # 255 registers: 255 * 32 = 8160 per warp, rounded up to 8192 (32 units of 256); 4 warps take 32768 of
+    # the 65536 registers: two programs, and registers bind (64 warps and 32 blocks would allow more)
+    o = occupancy(255, 0, 4, H100)
+    assert (o.blocks_per_sm, o.limit, o.warps_per_sm, o.fraction) == (2, "registers", 8, 8 / 64)
+    assert occupancy(128, 0, 4).blocks_per_sm == 4 and occupancy(129, 0, 4).blocks_per_sm == 3  # 129 -> 136
+    # 32 registers, 1 warp: the registers allow 64 programs, the SM's block limit 32
+    assert occupancy(32, 0, 1).by_limit["registers"] == 64 and occupancy(32, 0, 1)[:2] == (32, "blocks")
+    # a scan of 96 registers at 4 warps with 123136 bytes of shared memory: (123136 + 1024) bytes of the
+    # 233472 fit once; the registers alone would allow 5
+    o = occupancy(96, 123136, 4, H100)
+    assert (o.blocks_per_sm, o.limit, o.by_limit["registers"]) == (1, "shared memory", 5)
+    # 16 registers, 16 warps on a T4: registers allow 8, its 32 warps only 2
+    assert occupancy(16, 0, 16, T4)[:2] == (2, "warps")
+    # 40 kB of shared memory on a T4 (64 kB per SM, no reserve): one program
+    assert occupancy(64, 40 * 1024, 4, T4)[:2] == (1, "shared memory")
+
+
+def test_occupancy_refuses_kernels_that_cannot_run():
+    import pytest
+
+    from kda_edu.chapters.ch07_primer import T4, occupancy
+
+    with pytest.raises(ValueError, match="registers per thread"):
+        occupancy(256, 0, 4)
+    with pytest.raises(ValueError, match="shared memory"):
+        occupancy(64, 65 * 1024, 4, T4)
+    with pytest.raises(ValueError, match="warps"):
+        occupancy(32, 0, 33, T4)

@@ -234,3 +234,18 @@ def test_per_sequence_grads_handles_an_empty_sequence():
     assert torch.allclose(o[:, 3:], o_3) and torch.allclose(ht[2:], ht_3)
     assert all(torch.allclose(grads[n][:, 3:], g_3[n]) for n in NAMES[:5])
     assert torch.allclose(grads["h0"][2:], g_3["h0"])
+
+
+def test_record_launches_records_the_backward_in_order():
+    from kda_edu.chapters.ch09_backward_decoding import input_grads, record_launches
+    from kda_edu.kernels import chunk_kda
+
+    x = random_inputs(1, 20, 1, 128, 16, seed=5)  # 128 key channels: two key blocks of the local kernels
+    x["h0"] = torch.randn(1, 1, 128, 16)
+    do, dht = torch.randn(1, 20, 1, 16), torch.randn(1, 1, 128, 16)
+    with record_launches() as records:
+        input_grads(chunk_kda, x, do, dht, dtype=torch.float32)
+    names = [(name, first) for name, first, *_ in records]
+    own = [(n, None) for n in BACKWARD_KERNELS[2:5]] + [("_local_v_kernel", True), ("_local_v_kernel", False)]
+    assert names == [(n, None) for n in FORWARD_KERNELS] + own + [(n, None) for n in BACKWARD_KERNELS[-2:]]
+    assert records[2][2:] == records[4][2:]  # the w/u kernel: the same grid and arguments in both passes

@@ -148,6 +148,30 @@ def test_exercise_feedback_is_one_line(capsys):
     assert len(shown) == 1 and len(shown[0]) == 1 and shown[0][0].startswith("Not yet: "), shown
 
 
+def test_exercise_feedback_lexes_as_the_book_renders_it():
+    # The strict build renders an error output with the lexer _config.yml names; a token it cannot lex is a
+    # warning there, hence a failed build. Pygments' IPython-traceback lexer (the default) failed on hints with
+    # backquotes; the text lexer takes any line.
+    import yaml
+    from pygments.lexers import get_lexer_by_name
+    from pygments.token import Error
+
+    from kda_edu.exercises import WrongAnswer, _wrong_answer_in_one_line
+
+    shown = []
+
+    class Shell:
+        def _showtraceback(self, etype, value, stb):
+            shown.extend(stb)
+
+    hint = WrongAnswer("do masked loads give `other=0.0`? (see `tl.load`; $x$ must be finite!)")
+    _wrong_answer_in_one_line(Shell(), WrongAnswer, hint, None)
+    name = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]["nb_render_error_lexer"]
+    assert [value for token, value in get_lexer_by_name(name).get_tokens(shown[0]) if token is Error] == []
+    ipython = get_lexer_by_name("ipythontb")  # the default, which this line would break
+    assert [value for token, value in ipython.get_tokens(shown[0]) if token is Error] != []
+
+
 # In the package a file may be named (config.json is a checkpoint's part, not a measurement); a committed
 # result is not.
 PACKAGE_PROVENANCE = {**PROVENANCE, "result file": re.compile(r"bench/results/[\w./-]+")}

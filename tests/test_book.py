@@ -146,3 +146,13 @@ def test_show_source_shows_the_lines_that_matter():
     assert len(part) < len(whole) and part.split("```python\n")[1].startswith("def time_call")
     with pytest.raises(ValueError, match="no line contains"):
         show_source(time_call, start="not in the source")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_figure_cell_displays_only_its_figure(path):
+    # myst-nb makes every display output of a cell with figure metadata a figure of that name: a table
+    # displayed beside the plot gives the name twice, a warning that fails the strict build.
+    notebook = jupytext.read(path)
+    for number, cell in enumerate(notebook.cells):
+        if cell.cell_type == "code" and "figure" in cell.metadata.get("mystnb", {}):
+            assert "display(" not in cell.source, f"{path.name} cell {number}: displays more than its figure"

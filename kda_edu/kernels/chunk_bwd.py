@@ -179,13 +179,13 @@ def _diag_gram_bwd(dA, dQ, bk_a, qs_a, k_a, g_a, BC: tl.constexpr, PREC: tl.cons
 
 
 @jit
-def _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale):
+def _block_inputs(q_h, k_h, g_h, beta_h, ta, ck, H, HV, K, n_t, scale):
     """Rows ta of the chunk in key columns ck: k, scale * q, the gates in base 2, beta (zeros past n_t), each
     non-finite input as 0 (`_finite`, `_gates`; the module docstring, "Bad values")."""
     k_a = _finite(load_rows(k_h, ta, H * K, ck, K, n_t).to(tl.float32))
     qs_a = _finite(load_rows(q_h, ta, H * K, ck, K, n_t).to(tl.float32)) * scale
     g_a = _gates(load_rows(g_h, ta, HV * K, ck, K, n_t))
-    beta_a = _finite(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32))
+    beta_a = _finite(tl.load(beta_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32))
     return k_a, qs_a, g_a, beta_a
 
 
@@ -263,7 +263,7 @@ def _dstates_kernel(
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         dS += tl.load(dht + s_off, mask=s_mask, other=0.0)
-    do_hv = do + i_hv * V
+    do_h = do + i_hv * V
     for i in range(n_chunks):
         i_c = c0 + n_chunks - 1 - i
         t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
@@ -273,13 +273,13 @@ def _dstates_kernel(
         qg_n = _finite(tl.load(qg + r * BK + ck[None, :]))  # a bad query's row: 0
         kd_n = tl.load(kd + r * BK + ck[None, :])
         w_n = tl.load(w + r * BK + ck[None, :])
-        a_n = _finite(tl.load(aqk + r * BT + rows[None, :]))
+        aqk_n = _finite(tl.load(aqk + r * BT + rows[None, :]))
         decay = tl.load(gl + c * BK + ck)  # here, loading it a chunk ahead (as _states_kernel) was slower
-        do_n = tl.load(do_hv + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
+        do_n = tl.load(do_h + t0 * HV * V + rows[:, None] * HV * V + cv[None, :],
                        mask=(rows[:, None] < n_t) & (cv[None, :] < V), other=0.0).to(w_n.dtype)  # fmt: skip
         ds_lo = dS.to(dh.dtype.element_ty)
         tl.store(dh + (c * BK + ck[:, None]) * BVP + cv[None, :], ds_lo)
-        dU = tl.dot(tl.trans(a_n), do_n, input_precision=PREC) + tl.dot(
+        dU = tl.dot(tl.trans(aqk_n), do_n, input_precision=PREC) + tl.dot(
             kd_n, ds_lo.to(kd_n.dtype), input_precision=PREC
         )
         tl.store(dvn + r * BVP + cv[None, :], dU)
@@ -323,9 +323,9 @@ def _local_v_kernel(
     r = (c * BT + rows)[:, None]  # row of the padded intermediates
     hb = c * BKP  # first row of this chunk's state tiles (BKP = K padded)
     v_off = t0 * HV * V + i_hv * V  # [B, T, HV, V] tensors: row t of the chunk at + t * HV * V
-    tv = rows[:, None] * HV * V
-    b_h = beta + t0 * HV + i_hv
-    beta_all = _finite(tl.load(b_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32))
+    tv_off = rows[:, None] * HV * V
+    beta_h = beta + t0 * HV + i_hv
+    beta_all = _finite(tl.load(beta_h + rows * HV, mask=rows < n_t, other=0.0).to(tl.float32))
     X = tl.load(x + r * BT + rows[None, :])
 
     dqg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -337,26 +337,26 @@ def _local_v_kernel(
     db = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
-        vm = cv[None, :] < V
-        tm = (rows[:, None] < n_t) & vm
-        s_ptr = (hb + ck[:, None]) * BVP + cv[None, :]
-        S0 = tl.load(h + s_ptr, mask=vm, other=0.0)
-        dS = tl.load(dh + s_ptr, mask=vm, other=0.0)
-        U = _finite(tl.load(vn + r * BVP + cv[None, :], mask=vm, other=0.0))
-        dU = tl.load(dvn + r * BVP + cv[None, :], mask=vm, other=0.0)
-        do_c = tl.load(do + v_off + tv + cv[None, :], mask=tm, other=0.0)
+        v_mask = cv[None, :] < V
+        tv_mask = (rows[:, None] < n_t) & v_mask
+        s_off = (hb + ck[:, None]) * BVP + cv[None, :]
+        S0 = tl.load(h + s_off, mask=v_mask, other=0.0)
+        dS = tl.load(dh + s_off, mask=v_mask, other=0.0)
+        U = _finite(tl.load(vn + r * BVP + cv[None, :], mask=v_mask, other=0.0))
+        dU = tl.load(dvn + r * BVP + cv[None, :], mask=v_mask, other=0.0)
+        do_c = tl.load(do + v_off + tv_off + cv[None, :], mask=tv_mask, other=0.0)
         do_c = do_c.to(S0.dtype)
         dqg += tl.dot(do_c, tl.trans(S0), input_precision=PREC)
         dkd += tl.dot(U, tl.trans(dS), input_precision=PREC)
         dw -= tl.dot(dU.to(S0.dtype), tl.trans(S0), input_precision=PREC)
         dgl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), axis=1)
         if FIRST:  # the value-side terms, once per chunk
-            u_c = _finite(tl.load(u + r * BVP + cv[None, :], mask=vm, other=0.0).to(tl.float32))
-            v_c = tl.load(v + v_off + tv + cv[None, :], mask=tm, other=0.0)
+            u_c = _finite(tl.load(u + r * BVP + cv[None, :], mask=v_mask, other=0.0).to(tl.float32))
+            v_c = tl.load(v + v_off + tv_off + cv[None, :], mask=tv_mask, other=0.0)
             dM_qk += tl.dot(do_c, tl.trans(U), input_precision=PREC)
             dup = tl.dot(tl.trans(X), dU, input_precision=PREC)  # du' = X^T dU
             dv_c = (beta_all[:, None] * dup).to(dv.dtype.element_ty)
-            tl.store(dv + v_off + tv + cv[None, :], dv_c, mask=tm)
+            tl.store(dv + v_off + tv_off + cv[None, :], dv_c, mask=tv_mask)
             db += tl.sum(dup * v_c.to(tl.float32), axis=1)
             dM_kk += tl.dot(dup, tl.trans(u_c), input_precision=PREC)
 
@@ -388,11 +388,11 @@ def _local_v_kernel(
     end = tl.sum(x_kd, axis=0) + tl.exp2(gc_end) * dgl
 
     k_off = t0 * HV * K + i_hv * K  # [B, T, HV, K] gradients: row t of the chunk at + t * HV * K
-    kt = rows[:, None] * HV * K + ck[None, :]
-    km = (rows[:, None] < n_t) & (ck[None, :] < K)
-    tl.store(dq + k_off + kt, scale * eg * dqg, mask=km)
-    tl.store(dk + k_off + kt, eg * dkg + ed * dkd, mask=km)
-    tl.store(dgc + k_off + kt, dgc_c, mask=km)
+    tk_off = rows[:, None] * HV * K + ck[None, :]
+    tk_mask = (rows[:, None] < n_t) & (ck[None, :] < K)
+    tl.store(dq + k_off + tk_off, scale * eg * dqg, mask=tk_mask)
+    tl.store(dk + k_off + tk_off, eg * dkg + ed * dkd, mask=tk_mask)
+    tl.store(dgc + k_off + tk_off, dgc_c, mask=tk_mask)
     tl.store(dgc_end + hb + ck, end)
     tl.store(db_part + i_k * part_stride + t0 * HV + i_hv + rows * HV, db, mask=rows < n_t)
     m_off = r * BT + rows[None, :]
@@ -402,21 +402,21 @@ def _local_v_kernel(
 
 
 @jit
-def _sum_shares(p, offs, stride, N: tl.constexpr):
+def _sum_shares(ptr, off, stride, N: tl.constexpr):
     """The sum of N float32 shares of one tile, `stride` elements apart (the key blocks' shares of dA)."""
-    x = tl.load(p + offs)
+    x = tl.load(ptr + off)
     for i in tl.static_range(1, N):
-        x += tl.load(p + i * stride + offs)
+        x += tl.load(ptr + i * stride + off)
     return x
 
 
 @jit
-def _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_stride,
+def _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, i_a, start, H, HV, K, n_t, a_stride,
                       BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr,
                       PREC: tl.constexpr):  # fmt: skip
-    """The rows' side of block b's rows i through the columns j before the block, before the row factor:
+    """The rows' side of block i_a's rows i through the columns j before the block, before the row factor:
     sum_j dM_ij k_j 2^(gates j+1 .. start-1), for dM = dA (the sum of its NKB shares) and dAqk. One 16 x 16
-    tile of each per block before b, nearest first: the column factor is that block's reverse scan of the
+    tile of each per block before i_a, nearest first: the column factor is that block's reverse scan of the
     next rows' gates plus the gates of the blocks between (`between`, grown block by block), so each
     exponent is a sum of consecutive gates, <= 0."""
     rc = tl.arange(0, BC)
@@ -424,8 +424,8 @@ def _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_strid
     between = tl.zeros([BK], dtype=tl.float32)
     s_kk = tl.zeros([BC, BK], dtype=tl.float32)
     s_qk = tl.zeros([BC, BK], dtype=tl.float32)
-    for i in range(b):
-        jb = b - 1 - i
+    for i in range(i_a):
+        jb = i_a - 1 - i
         tj = jb * BC + rc
         # gate j+1 on row j; the gates from row start on are not this pair's (loaded as zeros)
         g_next = _gates(load_rows(g_h, tj + 1, HV * K, ck, K, tl.minimum(n_t, start)))
@@ -439,19 +439,19 @@ def _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_strid
 
 
 @jit
-def _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t, scale, a_stride,
+def _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, beta_h, ck, i_a, start, H, HV, K, n_t, scale, a_stride,
                      BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, NKB: tl.constexpr,
                      PREC: tl.constexpr):  # fmt: skip
-    """The columns' side of block b's keys j through the rows i after the block, before the column factor:
+    """The columns' side of block i_a's keys j through the rows i after the block, before the column factor:
     sum_i dM_ij a_i 2^(gates end+1 .. i), a = beta k for dA and scale q for dAqk. One transposed 16 x 16
-    tile of each per block after b, nearest first: the row factor is that block's own gate cumsum plus the
+    tile of each per block after i_a, nearest first: the row factor is that block's own gate cumsum plus the
     gates of the blocks between."""
     rc = tl.arange(0, BC)
     tile_t = rc[None, :] * BT + rc[:, None]  # transposed: dM[i, j] at [j, i]
     between = tl.zeros([BK], dtype=tl.float32)
     db = tl.zeros([BC, BK], dtype=tl.float32)
-    for ab in range(b + 1, BT // BC):
-        k_r, qs_r, g_r, beta_r = _block_inputs(q_h, k_h, g_h, b_h, ab * BC + rc, ck, H, HV, K, n_t, scale)
+    for ab in range(i_a + 1, BT // BC):
+        k_r, qs_r, g_r, beta_r = _block_inputs(q_h, k_h, g_h, beta_h, ab * BC + rc, ck, H, HV, K, n_t, scale)
         row_f = tl.exp2(tl.cumsum(g_r, axis=0) + between[None, :])
         between += tl.sum(g_r, axis=0)
         off = ab * BC * BT + start + tile_t
@@ -474,7 +474,7 @@ def _local_k_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
     NKB: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk x 16-row block b, value head, block of BK key channels): the gradients of the block's rows
+    """Per (chunk x 16-row block i_a, value head, block of BK key channels): the gradients of the block's rows
     through the gated Gram matrices A and Aqk, written once (no other program writes these rows):
 
     1. rows' side: the columns before the block, anchored at its start (`_gram_rows_before`, then the row
@@ -493,11 +493,11 @@ def _local_k_kernel(
     i_hv = tl.program_id(1)
     i_k = tl.program_id(2)
     i_c = i_cb // NB  # a chunk's four blocks are neighbours in the grid: its dA tiles stay in L2
-    b = i_cb % NB
+    i_a = i_cb % NB
     i_h = i_hv // (HV // H)
     t0, t_end = chunk_span(i_c, chunks, T, NT, BT, IS_VARLEN)
     n_t = (t_end - t0).to(tl.int32)
-    start = b * BC
+    start = i_a * BC
     end = start + BC - 1
     rc = tl.arange(0, BC)
     ta = start + rc
@@ -505,12 +505,12 @@ def _local_k_kernel(
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
-    b_h = beta + t0 * HV + i_hv
+    beta_h = beta + t0 * HV + i_hv
     c = (i_hv * NCH + i_c).to(tl.int64)
     dA_c = dA_part + c * BT * BT  # the chunk's C x C tiles of dA (share 0) and dAqk
     dQ_c = dAqk + c * BT * BT
 
-    k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, b_h, ta, ck, H, HV, K, n_t, scale)
+    k_a, qs_a, g_a, beta_a = _block_inputs(q_h, k_h, g_h, beta_h, ta, ck, H, HV, K, n_t, scale)
     # Gates base2_gates raised to the floor, and any within a power of two of it (a margin for rounding):
     # _local_dg_kernel checks that chunk's gates exactly.
     floor_rows = tl.max(tl.where(g_a < KERNEL_GATE_FLOOR * 1.4426950408889634 + 1.0, 1, 0))
@@ -518,8 +518,8 @@ def _local_k_kernel(
     bk_a = beta_a[:, None] * k_a
     da_kk = tl.zeros([BC, BK], dtype=tl.float32)
     da_qk = tl.zeros([BC, BK], dtype=tl.float32)
-    if b > 0:  # 1.
-        s_kk, s_qk = _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, b, start, H, HV, K, n_t, a_stride, BT, BC, BK,
+    if i_a > 0:  # 1.
+        s_kk, s_qk = _gram_rows_before(dA_c, dQ_c, k_h, g_h, ck, i_a, start, H, HV, K, n_t, a_stride, BT, BC, BK,
                                        NKB, PREC)  # fmt: skip
         row_f = tl.exp2(tl.cumsum(g_a, axis=0))  # the block's gates up to row i, its first row's included
         da_kk = s_kk * row_f
@@ -534,21 +534,21 @@ def _local_k_kernel(
     da_d, dq_d, db_a = _diag_gram_bwd(dA_d, tl.where(on_diag, 0.0, dQ_d), bk_a, qs_a, k_a, g_a, BC, PREC)
     da_kk += da_d
     da_qk += dq_d
-    if b < NB - 1:  # 3.
-        db_c = _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, b_h, ck, b, start, H, HV, K, n_t, scale, a_stride,
+    if i_a < NB - 1:  # 3.
+        db_c = _gram_cols_after(dA_c, dQ_c, q_h, k_h, g_h, beta_h, ck, i_a, start, H, HV, K, n_t, scale, a_stride,
                                 BT, BC, BK, NKB, PREC)  # fmt: skip
         # gates j+1 .. end for j in the block: gate j+1 on row j, the row after the block's end as zero
         g_na = _gates(load_rows(g_h, ta + 1, HV * K, ck, K, tl.minimum(n_t, end + 1)))
         db_a += db_c * tl.exp2(tl.cumsum(g_na, axis=0, reverse=True))
 
-    o_a = t0 * HV * K + i_hv * K + ta[:, None] * HV * K + ck[None, :]  # 4.
-    m_a = (ta[:, None] < n_t) & (ck[None, :] < K)
-    dq_a = tl.load(dq + o_a, mask=m_a, other=0.0) + scale * (da_qk + dQ_ii * k_a)
-    tl.store(dq_out + o_a, dq_a.to(dq_out.dtype.element_ty), mask=m_a)
-    dk_a = tl.load(dk + o_a, mask=m_a, other=0.0) + beta_a[:, None] * da_kk + db_a + dQ_ii * qs_a
-    tl.store(dk_out + o_a, dk_a.to(dk_out.dtype.element_ty), mask=m_a)
-    dg_a = tl.load(dgc + o_a, mask=m_a, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
-    tl.store(dgc + o_a, dg_a, mask=m_a)
+    a_off = t0 * HV * K + i_hv * K + ta[:, None] * HV * K + ck[None, :]  # 4.
+    a_mask = (ta[:, None] < n_t) & (ck[None, :] < K)
+    dq_a = tl.load(dq + a_off, mask=a_mask, other=0.0) + scale * (da_qk + dQ_ii * k_a)
+    tl.store(dq_out + a_off, dq_a.to(dq_out.dtype.element_ty), mask=a_mask)
+    dk_a = tl.load(dk + a_off, mask=a_mask, other=0.0) + beta_a[:, None] * da_kk + db_a + dQ_ii * qs_a
+    tl.store(dk_out + a_off, dk_a.to(dk_out.dtype.element_ty), mask=a_mask)
+    dg_a = tl.load(dgc + a_off, mask=a_mask, other=0.0) + bk_a * da_kk + qs_a * da_qk - k_a * db_a
+    tl.store(dgc + a_off, dg_a, mask=a_mask)
     tl.store(
         dbeta_part + i_k * part_stride + (t0 + ta) * HV + i_hv, tl.sum(k_a * da_kk, axis=1), mask=ta < n_t
     )
@@ -572,9 +572,9 @@ def _local_dg_kernel(
     rows = tl.arange(0, BT)
     ck = i_k * BK + tl.arange(0, BK)
     c = (i_hv * NCH + i_c).to(tl.int64)
-    kt = t0 * HV * K + i_hv * K + rows[:, None] * HV * K + ck[None, :]
-    km = (rows[:, None] < n_t) & (ck[None, :] < K)
-    d = tl.load(dgc + kt, mask=km, other=0.0)
+    tk_off = t0 * HV * K + i_hv * K + rows[:, None] * HV * K + ck[None, :]
+    tk_mask = (rows[:, None] < n_t) & (ck[None, :] < K)
+    d = tl.load(dgc + tk_off, mask=tk_mask, other=0.0)
     end = tl.load(dgc_end + c * BKP + ck, mask=ck < K, other=0.0)  # dgc_end rows are BKP (K padded) wide
     d = tl.where((rows == BT - 1)[:, None], d + end[None, :], d)
     dg = tl.cumsum(d, axis=0, reverse=True)
@@ -583,7 +583,7 @@ def _local_dg_kernel(
     if tl.load(floor_hit + c) != 0:
         g_c = load_rows(g + t0 * HV * K + i_hv * K, rows, HV * K, ck, K, n_t).to(tl.float32)
         dg = tl.where(g_c < KERNEL_GATE_FLOOR, 0.0, dg)
-    tl.store(dgc + kt, dg, mask=km)
+    tl.store(dgc + tk_off, dg, mask=tk_mask)
 
 
 def chunk_kda_bwd(

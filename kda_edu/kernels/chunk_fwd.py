@@ -301,17 +301,17 @@ def _chunk_gram_kernel(
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
-    b_h = beta + t0 * HV + i_hv
-    r = tl.arange(0, BT)
-    blk = (r // BC)[:, None]  # each row's 16-row block, [BT, 1]
-    on_diag = blk == (r // BC)[None, :]  # the four diagonal blocks of a [BT, BT] tile
+    beta_h = beta + t0 * HV + i_hv
+    rows = tl.arange(0, BT)
+    blk = (rows // BC)[:, None]  # each row's 16-row block, [BT, 1]
+    on_diag = blk == (rows // BC)[None, :]  # the four diagonal blocks of a [BT, BT] tile
     A = tl.zeros([BT, BT], dtype=tl.float32)
     Aq = tl.zeros([BT, BT], dtype=tl.float32)
     for kc in range(0, BK, KC):
-        cols = kc + tl.arange(0, KC)
-        k_c, _ = clean_nonfinite(load_rows(k_h, r, H * K, cols, K, n_t).to(tl.float32))
-        q_c = load_rows(q_h, r, H * K, cols, K, n_t).to(tl.float32) * scale
-        g_c = load_rows(g_h, r, HV * K, cols, K, n_t).to(tl.float32)
+        ck = kc + tl.arange(0, KC)
+        k_c, _ = clean_nonfinite(load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32))
+        q_c = load_rows(q_h, rows, H * K, ck, K, n_t).to(tl.float32) * scale
+        g_c = load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32)
         l = _block_cumsum(tl.where(g_c <= 0.0, base2_gates(g_c), 0.0), BC)
         s0, s1, s2 = _row(l, BC - 1), _row(l, 2 * BC - 1), _row(l, 3 * BC - 1)  # block gate sums, <= 0
 
@@ -332,16 +332,16 @@ def _chunk_gram_kernel(
             A += tl.where(on_diag, tile_mm(k_c * row_f, col, PREC), 0.0)
             Aq += tl.where(on_diag, tile_mm(q_c * row_f, col, PREC), 0.0)
         else:
-            x, y = _exact_diagonal(q_h, k_h, g_h, cols, H, HV, K, n_t, scale, BC, PREC)
+            x, y = _exact_diagonal(q_h, k_h, g_h, ck, H, HV, K, n_t, scale, BC, PREC)
             A, Aq = A + x, Aq + y
 
         # qg = q 2^(gc), gc the cumsum from the chunk start: l plus the sums of the blocks before (<= 0).
         gc = l + _per_block(blk, 0.0, s0, s0 + s1, s0 + s1 + s2)
-        store_block(qg, row0, 0, BT, BK, cols, q_c * tl.exp2(gc))
+        store_block(qg, row0, 0, BT, BK, ck, q_c * tl.exp2(gc))
 
-    b, _ = valid_beta(tl.load(b_h + r * HV, mask=r < n_t, other=0.0)[:, None])
-    store_block(lmat, row0, 0, BT, BT, r, tl.where(r[:, None] > r[None, :], b * A, 0.0))
-    store_block(aqk, row0, 0, BT, BT, r, tl.where(r[:, None] >= r[None, :], Aq, 0.0))
+    beta_all, _ = valid_beta(tl.load(beta_h + rows * HV, mask=rows < n_t, other=0.0)[:, None])
+    store_block(lmat, row0, 0, BT, BT, rows, tl.where(rows[:, None] > rows[None, :], beta_all * A, 0.0))
+    store_block(aqk, row0, 0, BT, BT, rows, tl.where(rows[:, None] >= rows[None, :], Aq, 0.0))
 
 
 @jit
@@ -472,19 +472,19 @@ def _chunk_wu_kernel(
     rows = tl.arange(0, BT)
     r = (row0 + rows).to(tl.int64)[:, None]
     X = tl.load(xmat + r * BT + rows[None, :])
-    b, bad_b = valid_beta(tl.load(beta + t0 * HV + i_hv + rows * HV, mask=rows < n_t, other=0.0)[:, None])
+    beta_all, bad_b = valid_beta(
+        tl.load(beta + t0 * HV + i_hv + rows * HV, mask=rows < n_t, other=0.0)[:, None]
+    )
     bad = bad_b
     bad_g = tl.zeros_like(bad)
     for kc in range(0, BK, KC):
-        cols = kc + tl.arange(0, KC)
-        k_c, bad_k = clean_nonfinite(load_rows(k_h, rows, H * K, cols, K, n_t).to(tl.float32))
-        g_c = load_rows(g_h, rows, HV * K, cols, K, n_t).to(tl.float32)
+        ck = kc + tl.arange(0, KC)
+        k_c, bad_k = clean_nonfinite(load_rows(k_h, rows, H * K, ck, K, n_t).to(tl.float32))
+        g_c = load_rows(g_h, rows, HV * K, ck, K, n_t).to(tl.float32)
         ok = g_c <= 0.0  # False for NaN, +inf and any growth
         g_c = tl.where(ok, base2_gates(g_c), 0.0)
         if not KD_TOTAL:
-            g_next = load_rows(g_h, rows + 1, HV * K, cols, K, tl.minimum(n_t, BT)).to(
-                tl.float32
-            )  # gate j + 1
+            g_next = load_rows(g_h, rows + 1, HV * K, ck, K, tl.minimum(n_t, BT)).to(tl.float32)  # gate j + 1
             g_next = tl.where(g_next <= 0.0, base2_gates(g_next), 0.0)
         bad_g = tl.maximum(bad_g, tl.max(tl.where(ok, 0.0, 1.0), axis=1))
         bad = tl.maximum(bad, tl.maximum(bad_k, bad_g))
@@ -493,15 +493,15 @@ def _chunk_wu_kernel(
             after = tl.sum(g_c, axis=0)[None, :] - gc
         else:
             after = tl.cumsum(g_next, axis=0, reverse=True)  # gc_C - gc_j: the gates after j
-        w_c = tile_mm(X, b * k_c * tl.exp2(gc), PREC)
-        tl.store(w + r * BK + cols[None, :], w_c.to(w.dtype.element_ty))
-        tl.store(kd + r * BK + cols[None, :], (k_c * tl.exp2(after)).to(kd.dtype.element_ty))
-        tl.store(gl + row0 // BT * BK + cols, tl.exp2(tl.sum(g_c, axis=0)))
+        w_c = tile_mm(X, beta_all * k_c * tl.exp2(gc), PREC)
+        tl.store(w + r * BK + ck[None, :], w_c.to(w.dtype.element_ty))
+        tl.store(kd + r * BK + ck[None, :], (k_c * tl.exp2(after)).to(kd.dtype.element_ty))
+        tl.store(gl + row0 // BT * BK + ck, tl.exp2(tl.sum(g_c, axis=0)))
     for vc in range(0, BV, VC):
-        cols = vc + tl.arange(0, VC)
-        v_c, bad_v = clean_nonfinite(load_rows(v_h, rows, HV * V, cols, V, n_t).to(tl.float32))
-        u_c = _spoil(tile_mm(X, b * v_c, U_PREC), bad + bad_v)
-        tl.store(u + r * BV + cols[None, :], u_c.to(u.dtype.element_ty))
+        cv = vc + tl.arange(0, VC)
+        v_c, bad_v = clean_nonfinite(load_rows(v_h, rows, HV * V, cv, V, n_t).to(tl.float32))
+        u_c = _spoil(tile_mm(X, beta_all * v_c, U_PREC), bad + bad_v)
+        tl.store(u + r * BV + cv[None, :], u_c.to(u.dtype.element_ty))
     if CHECK:
         found = (tl.max(bad_g, axis=0) > 0).to(tl.int32) + 2 * (tl.max(bad_b, axis=0) > 0).to(tl.int32)
         if found > 0:
@@ -520,7 +520,7 @@ def _chunk_scan_kernel(
     h0,
     ht,  # output [B, T, HV, V]; initial / final state [N, HV, K, V] float32
     cu_seqlens,
-    chunk_offsets,  # varlen only: int [N + 1] token and chunk offsets of each sequence
+    offsets,  # varlen only: int [N + 1] token and chunk offsets of each sequence
     T,
     HV,
     K,
@@ -546,7 +546,7 @@ def _chunk_scan_kernel(
     i_nh = N0 * HV + tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    c0, n_chunks = seq_chunks(i_n, chunk_offsets, NT, IS_VARLEN)
+    c0, n_chunks = seq_chunks(i_n, offsets, NT, IS_VARLEN)
     c0 += CS
     n_chunks = tl.minimum(n_chunks - CS, CN)
     if IS_VARLEN:
@@ -573,7 +573,7 @@ def _chunk_scan_kernel(
         qg_n = tl.load(qg + r * BK + ck[None, :])
         kd_n = tl.load(kd + r * BK + ck[None, :])
         u_n = tl.load(u + r * BVP + cv[None, :])
-        a_n = tl.load(aqk + r * BT + rows[None, :])
+        aqk_n = tl.load(aqk + r * BT + rows[None, :])
         decay = tl.load(gl + c * BK + ck)  # not a product's operand: not staged (loading it ahead was slower)
 
         s_lo = S.to(w_n.dtype)
@@ -583,7 +583,9 @@ def _chunk_scan_kernel(
         # outputs from it on and the state; Aqk U reads the rows with it replaced by 0 (Aqk's zeros above the
         # diagonal times a NaN would spoil the earlier outputs too), and the later outputs are set to NaN.
         u_ok, bad = clean_nonfinite(u_n)
-        o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(a_n, u_ok.to(w_n.dtype), input_precision=PREC)
+        o_n = tl.dot(qg_n, s_lo, input_precision=PREC) + tl.dot(
+            aqk_n, u_ok.to(w_n.dtype), input_precision=PREC
+        )
         o_n = _spoil(o_n, tl.cumsum(bad, axis=0))
         S = S * decay[:, None] + tl.dot(tl.trans(kd_n), u_lo, input_precision=PREC)
 

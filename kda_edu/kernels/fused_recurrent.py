@@ -43,16 +43,16 @@ __all__ = ["fused_recurrent_kda"]
 
 @jit
 def _fused_recurrent_kda_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    o_ptr,
-    h0_ptr,
-    ht_ptr,
-    cu_seqlens_ptr,
-    state_idx_ptr,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    o,
+    h0,
+    ht,
+    cu_seqlens,
+    state_indices,
     scale,
     T,
     H: tl.constexpr,
@@ -61,10 +61,10 @@ def _fused_recurrent_kda_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    HAS_STATE_INDICES: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -75,48 +75,48 @@ def _fused_recurrent_kda_kernel(
     # The tokens of sequence i_n: a slice of the single flattened batch row when varlen,
     # otherwise row i_n of the batch. Offsets are int64: B * T * HV * V can pass 2**31.
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens_ptr + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens_ptr + i_n + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
 
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    k_mask = ck < K
+    v_mask = cv < V
+    s_mask = k_mask[:, None] & v_mask[None, :]
 
     # The state tile [BK, BV]; padded rows and columns stay exactly zero throughout, since the
-    # masked loads below fill k, q and v with zeros there.
-    # With state indices, sequence i_n's state is row state_idx[i_n] of a pool (continuous batching).
-    if HAS_STATE_INDICES:
-        i_state = tl.load(state_idx_ptr + i_n).to(tl.int64) * HV + i_hv
+    # masked loads below fill k_t, q_t and v_t with zeros there.
+    # With state indices, sequence i_n's state is row state_indices[i_n] of a pool (continuous batching).
+    if USE_STATE_INDICES:
+        i_state = tl.load(state_indices + i_n).to(tl.int64) * HV + i_hv
     else:
         i_state = i_nh.to(tl.int64)
-    state_offs = i_state * K * V + offs_k[:, None] * V + offs_v[None, :]
-    if HAS_INITIAL_STATE:
-        S = tl.load(h0_ptr + state_offs, mask=mask_kv, other=0.0)
+    s_off = i_state * K * V + ck[:, None] * V + cv[None, :]
+    if USE_H0:
+        S = tl.load(h0 + s_off, mask=s_mask, other=0.0)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     for t in range(bos, eos):
         qk_row = (t * H + i_h) * K
         vh_row = t * HV + i_hv
-        q = tl.load(q_ptr + qk_row + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
-        k = tl.load(k_ptr + qk_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + vh_row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + vh_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + vh_row).to(tl.float32)
+        q_t = tl.load(q + qk_row + ck, mask=k_mask, other=0.0).to(tl.float32) * scale
+        k_t = tl.load(k + qk_row + ck, mask=k_mask, other=0.0).to(tl.float32)
+        g_t = tl.load(g + vh_row * K + ck, mask=k_mask, other=0.0).to(tl.float32)
+        v_t = tl.load(v + vh_row * V + cv, mask=v_mask, other=0.0).to(tl.float32)
+        beta_t = tl.load(beta + vh_row).to(tl.float32)
 
-        S = S * tl.exp(g)[:, None]
-        u = beta * (v - tl.sum(S * k[:, None], axis=0))  # beta (v - S^T k), shape [BV]
-        S = S + k[:, None] * u[None, :]
-        o = tl.sum(S * q[:, None], axis=0)  # S^T (scale q), shape [BV]
-        tl.store(o_ptr + vh_row * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        S = S * tl.exp(g_t)[:, None]
+        u_t = beta_t * (v_t - tl.sum(S * k_t[:, None], axis=0))  # beta (v - S^T k), shape [BV]
+        S = S + k_t[:, None] * u_t[None, :]
+        o_t = tl.sum(S * q_t[:, None], axis=0)  # S^T (scale q), shape [BV]
+        tl.store(o + vh_row * V + cv, o_t.to(o.dtype.element_ty), mask=v_mask)
 
-    if STORE_FINAL_STATE:
-        tl.store(ht_ptr + state_offs, S, mask=mask_kv)
+    if STORE_HT:
+        tl.store(ht + s_off, S, mask=s_mask)
 
 
 @functools.cache
@@ -173,10 +173,10 @@ def fused_recurrent_fwd(
         V=V,
         BK=BK,
         BV=block_v,
-        HAS_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=final_state is not None,
+        USE_H0=initial_state is not None,
+        STORE_HT=final_state is not None,
         IS_VARLEN=cu_seqlens is not None,
-        HAS_STATE_INDICES=state_indices is not None,
+        USE_STATE_INDICES=state_indices is not None,
         num_warps=num_warps,
     )
     return o

@@ -41,12 +41,12 @@ __all__ = ["mla_absorbed_attention", "combine_splits", "default_splits"]
 
 @jit
 def _mla_absorbed_kernel(
-    q_ptr,
-    cache_ptr,
-    slots_ptr,
-    lengths_ptr,
-    o_ptr,
-    lse_ptr,
+    q,
+    cache,
+    slots,
+    lengths,
+    o,
+    lse,
     scale,
     L_max,
     positions_per_split,
@@ -65,64 +65,62 @@ def _mla_absorbed_kernel(
     i_m = tl.program_id(1)
     i_s = tl.program_id(2)
 
-    slot = tl.load(slots_ptr + i_b).to(tl.int64)
-    length = tl.load(lengths_ptr + i_b)
+    slot = tl.load(slots + i_b).to(tl.int64)
+    length = tl.load(lengths + i_b)
     start = i_s * positions_per_split
     end = tl.minimum(start + positions_per_split, length)
 
-    offs_m = i_m * BM + tl.arange(0, BM)  # rows: token offs_m // H, head offs_m % H
-    mask_m = offs_m < T * H
-    visible = length - (T - 1 - offs_m // H)  # positions each row sees
-    offs_n = tl.arange(0, BN)
-    offs_d = tl.arange(0, BD)
-    offs_r = tl.arange(0, BR)
-    mask_r = offs_r < R
-    q_rows = (i_b * T * H + offs_m).to(tl.int64) * D
+    rows = i_m * BM + tl.arange(0, BM)  # token rows // H, head rows % H
+    row_mask = rows < T * H
+    visible = length - (T - 1 - rows // H)  # positions each row sees
+    cr = tl.arange(0, BR)
+    r_mask = cr < R
+    q_off = (i_b * T * H + rows).to(tl.int64) * D
     row0 = slot * L_max  # first cached row of this sequence
 
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, BR], dtype=tl.float32)
+    o_sum = tl.zeros([BM, BR], dtype=tl.float32)
     for n0 in range(start, end, BN):
-        pos = n0 + offs_n
-        mask_n = pos < end
-        rows = (row0 + pos) * D
+        pos = n0 + tl.arange(0, BN)
+        pos_mask = pos < end
+        cache_off = (row0 + pos) * D
         scores = tl.zeros([BM, BN], dtype=tl.float32)
         for d0 in range(0, D, BD):
-            d = d0 + offs_d
-            mask_d = d < D
-            a = tl.load(
-                q_ptr + q_rows[:, None] + d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0
+            cd = d0 + tl.arange(0, BD)
+            d_mask = cd < D
+            q_c = tl.load(
+                q + q_off[:, None] + cd[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
             )
-            kt = tl.load(
-                cache_ptr + rows[None, :] + d[:, None], mask=mask_d[:, None] & mask_n[None, :], other=0.0
+            kt_c = tl.load(
+                cache + cache_off[None, :] + cd[:, None], mask=d_mask[:, None] & pos_mask[None, :], other=0.0
             )
             if DOT_FP32:
-                scores += tl.dot(a.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+                scores += tl.dot(q_c.to(tl.float32), kt_c.to(tl.float32), input_precision="ieee")
             else:
-                scores += tl.dot(a.to(kt.dtype), kt)
-        seen = mask_n[None, :] & (pos[None, :] < visible[:, None])
+                scores += tl.dot(q_c.to(kt_c.dtype), kt_c)
+        seen = pos_mask[None, :] & (pos[None, :] < visible[:, None])
         scores = tl.where(seen, scores * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vals = tl.load(
-            cache_ptr + rows[:, None] + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
+        v_n = tl.load(
+            cache + cache_off[:, None] + cr[None, :], mask=pos_mask[:, None] & r_mask[None, :], other=0.0
         )
         if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, vals.to(tl.float32), input_precision="ieee")
+            o_sum = o_sum * alpha[:, None] + tl.dot(p, v_n.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            o_sum = o_sum * alpha[:, None] + tl.dot(p.to(v_n.dtype), v_n)
         m = m_new
 
     # A range that a row does not reach leaves m = -inf, l = 0: a zero output, log-sum-exp -inf.
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    lse = m + tl.log(l_sum)
-    part = (i_b * T * H + offs_m).to(tl.int64) * NS + i_s
-    tl.store(o_ptr + part[:, None] * R + offs_r[None, :], out, mask=mask_m[:, None] & mask_r[None, :])
-    tl.store(lse_ptr + part, lse, mask=mask_m)
+    o_all = o_sum / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    lse_all = m + tl.log(l_sum)
+    part = (i_b * T * H + rows).to(tl.int64) * NS + i_s
+    tl.store(o + part[:, None] * R + cr[None, :], o_all, mask=row_mask[:, None] & r_mask[None, :])
+    tl.store(lse + part, lse_all, mask=row_mask)
 
 
 def combine_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

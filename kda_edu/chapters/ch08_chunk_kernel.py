@@ -808,7 +808,7 @@ def _compile_specs(K: int = 128, V: int = 128) -> dict:
     )
     scan = dict(
         signature={**_BF16_MID, "o": "*bf16", "h0": "*fp32", "ht": "*fp32", "cu_seqlens": "*i32",
-                   "chunk_offsets": "*i32", **dict.fromkeys(["T", "HV", "K", "V", "NT", "NCH", "N0", "CS", "CN"], i32)},
+                   "offsets": "*i32", **dict.fromkeys(["T", "HV", "K", "V", "NT", "NCH", "N0", "CS", "CN"], i32)},
         constexprs=dict(BT=CHUNK, BK=K, BVP=V, BV=32, USE_H0=False, STORE_HT=False, PREC="tf32", IS_VARLEN=False),
         options=dict(num_warps=4, num_stages=2),
     )  # fmt: skip

@@ -228,3 +228,13 @@ def test_hopper_instructions_of_one_product():
     assert gram16["wgmma"] == inverse["wgmma"] == 0 < min(gram16["mma.sync"], inverse["mma.sync"])
     assert gram["wgmma"] > 0 and 0 < gram["mma.sync"] < gram16["mma.sync"]
     assert wu["wgmma"] > 0 and wu["mma.sync"] == 0
+
+
+def test_compile_specs_name_every_argument_of_their_kernel():
+    """The offline builds name each kernel argument; a renamed argument must fail here, not in the chapter."""
+    specs = ck._compile_specs()
+    for name, spec in specs.items():
+        kernels = [ck.KERNELS[name]] + ([ck.gram16_kernel] if name == "gram" else [])
+        for kernel in kernels:
+            args = list(getattr(kernel, "arg_names", None) or kernel.fn.arg_names)
+            assert sorted(args) == sorted({**spec["signature"], **spec["constexprs"]}), name

@@ -211,14 +211,14 @@ def _key_blocks(k_h, g_h, cols, H, HV, K, n_t, BC: tl.constexpr):
 
 
 @jit
-def _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, A_ROW: tl.constexpr,
+def _store_l_aqk(lmat, aqk, beta_h, row0, n_t, HV, ad, a1, a2, a3, qd, q1, q2, q3, A_ROW: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
     """Row block A_ROW of L = Diag(beta) A and of Aqk: ad / qd the diagonal block, a1.. / q1.. the blocks
     1, 2, 3 left of it. The blocks of L above the diagonal are not written (the inverse kernel never reads
     them); those of Aqk are written as zeros (the scan reads whole rows)."""
     rc = tl.arange(0, BC)
     ta = A_ROW * BC + rc
-    b_a, _ = clean_nonfinite(tl.load(b_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
+    b_a, _ = clean_nonfinite(tl.load(beta_h + ta * HV, mask=ta < n_t, other=0.0).to(tl.float32)[:, None])
     store_block(
         lmat, row0, A_ROW, BC, BT, A_ROW * BC + rc, tl.where(rc[:, None] > rc[None, :], b_a * ad, 0.0)
     )
@@ -252,7 +252,7 @@ def gram16_kernel(
     q_h = q + t0 * H * K + i_h * K
     k_h = k + t0 * H * K + i_h * K
     g_h = g + t0 * HV * K + i_hv * K
-    b_h = beta + t0 * HV + i_hv
+    beta_h = beta + t0 * HV + i_hv
     rc = tl.arange(0, BC)
     t_0, t_1, t_2, t_3 = rc, BC + rc, 2 * BC + rc, 3 * BC + rc
     z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -260,20 +260,20 @@ def gram16_kernel(
     q10, q20, q21, q30, q31, q32 = z, z, z, z, z, z
     a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
     for kc in range(0, BK, KC):
-        cols = kc + tl.arange(0, KC)
+        ck = kc + tl.arange(0, KC)
         k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
-            k_h, g_h, cols, H, HV, K, n_t, BC
+            k_h, g_h, ck, H, HV, K, n_t, BC
         )
-        q0 = load_rows(q_h, t_0, H * K, cols, K, n_t).to(tl.float32) * scale
-        q1 = load_rows(q_h, t_1, H * K, cols, K, n_t).to(tl.float32) * scale
+        q0 = load_rows(q_h, t_0, H * K, ck, K, n_t).to(tl.float32) * scale
+        q1 = load_rows(q_h, t_1, H * K, ck, K, n_t).to(tl.float32) * scale
         x, y = _pair(k1, q1, l1, c0, PREC)
         a10, q10 = a10 + x, q10 + y
-        q2 = load_rows(q_h, t_2, H * K, cols, K, n_t).to(tl.float32) * scale
+        q2 = load_rows(q_h, t_2, H * K, ck, K, n_t).to(tl.float32) * scale
         x, y = _pair(k2, q2, l2 + s1, c0, PREC)
         a20, q20 = a20 + x, q20 + y
         x, y = _pair(k2, q2, l2, c1, PREC)
         a21, q21 = a21 + x, q21 + y
-        q3 = load_rows(q_h, t_3, H * K, cols, K, n_t).to(tl.float32) * scale
+        q3 = load_rows(q_h, t_3, H * K, ck, K, n_t).to(tl.float32) * scale
         x, y = _pair(k3, q3, l3 + s1 + s2, c0, PREC)
         a30, q30 = a30 + x, q30 + y
         x, y = _pair(k3, q3, l3 + s2, c1, PREC)
@@ -288,14 +288,14 @@ def gram16_kernel(
         a22, q22 = a22 + x, q22 + y
         x, y = diag_grams(k3, q3, l3, BC, PREC)
         a33, q33 = a33 + x, q33 + y
-        store_block(qg, row0, 0, BC, BK, cols, q0 * tl.exp2(l0))
-        store_block(qg, row0, 1, BC, BK, cols, q1 * tl.exp2(l1 + s0))
-        store_block(qg, row0, 2, BC, BK, cols, q2 * tl.exp2(l2 + s0 + s1))
-        store_block(qg, row0, 3, BC, BK, cols, q3 * tl.exp2(l3 + s0 + s1 + s2))
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a00, z, z, z, q00, z, z, z, 0, BT, BC)
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a11, a10, z, z, q11, q10, z, z, 1, BT, BC)
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a22, a21, a20, z, q22, q21, q20, z, 2, BT, BC)
-    _store_l_aqk(lmat, aqk, b_h, row0, n_t, HV, a33, a32, a31, a30, q33, q32, q31, q30, 3, BT, BC)
+        store_block(qg, row0, 0, BC, BK, ck, q0 * tl.exp2(l0))
+        store_block(qg, row0, 1, BC, BK, ck, q1 * tl.exp2(l1 + s0))
+        store_block(qg, row0, 2, BC, BK, ck, q2 * tl.exp2(l2 + s0 + s1))
+        store_block(qg, row0, 3, BC, BK, ck, q3 * tl.exp2(l3 + s0 + s1 + s2))
+    _store_l_aqk(lmat, aqk, beta_h, row0, n_t, HV, a00, z, z, z, q00, z, z, z, 0, BT, BC)
+    _store_l_aqk(lmat, aqk, beta_h, row0, n_t, HV, a11, a10, z, z, q11, q10, z, z, 1, BT, BC)
+    _store_l_aqk(lmat, aqk, beta_h, row0, n_t, HV, a22, a21, a20, z, q22, q21, q20, z, 2, BT, BC)
+    _store_l_aqk(lmat, aqk, beta_h, row0, n_t, HV, a33, a32, a31, a30, q33, q32, q31, q30, 3, BT, BC)
 
 
 def blocks16_forward(q, k, v, g, beta, scale, initial_state, output_final_state, **knobs):

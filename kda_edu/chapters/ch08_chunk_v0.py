@@ -58,7 +58,7 @@ def v0_chunk_kernel(
     k_h = k + (i_b * T * H + i_h).to(tl.int64) * K
     g_h = g + (i_b * T * HV + i_hv).to(tl.int64) * K
     v_h = v + (i_b * T * HV + i_hv).to(tl.int64) * V
-    b = tl.load(beta + (i_b * T * HV + i_hv).to(tl.int64) + t * HV, mask=in_seq, other=0.0).to(tl.float32)
+    beta_all = tl.load(beta + (i_b * T * HV + i_hv).to(tl.int64) + t * HV, mask=in_seq, other=0.0).to(tl.float32)
 
     # A and Aqk, one key channel at a time: an outer product times the pairwise decay exp(gc_i - gc_j).
     causal = r[:, None] >= r[None, :]
@@ -72,7 +72,7 @@ def v0_chunk_kernel(
         decay = tl.exp(tl.where(causal, gc_c[:, None] - gc_c[None, :], float("-inf")))  # 0 above the diagonal
         A += k_c[:, None] * k_c[None, :] * decay
         Aqk += q_c[:, None] * k_c[None, :] * decay
-    L = tl.where(r[:, None] > r[None, :], b[:, None] * A, 0.0)  # strictly lower: L = Diag(beta) A
+    L = tl.where(r[:, None] > r[None, :], beta_all[:, None] * A, 0.0)  # strictly lower: L = Diag(beta) A
 
     # X = (I + L)^-1 by forward substitution: row i of (I + L) X = I reads X_i = e_i - sum_{j<i} L_ij X_j.
     X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
@@ -82,23 +82,23 @@ def v0_chunk_kernel(
         X = tl.where(r[:, None] == i, X - x_i[None, :], X)
 
     # The whole chunk's tiles: keys, queries and gate cumsums [C, BK], values [C, BV].
-    kmask = in_seq[:, None] & (ck[None, :] < K)
-    vmask = in_seq[:, None] & (cv[None, :] < V)
-    Kt = tl.load(k_h + t[:, None] * H * K + ck[None, :], mask=kmask, other=0.0).to(tl.float32)
-    Qt = tl.load(q_h + t[:, None] * H * K + ck[None, :], mask=kmask, other=0.0).to(tl.float32)
-    Vt = tl.load(v_h + t[:, None] * HV * V + cv[None, :], mask=vmask, other=0.0).to(tl.float32)
-    G = tl.load(g_h + t[:, None] * HV * K + ck[None, :], mask=kmask, other=0.0).to(tl.float32)
+    k_mask = in_seq[:, None] & (ck[None, :] < K)
+    v_mask = in_seq[:, None] & (cv[None, :] < V)
+    k_all = tl.load(k_h + t[:, None] * H * K + ck[None, :], mask=k_mask, other=0.0).to(tl.float32)
+    q_all = tl.load(q_h + t[:, None] * H * K + ck[None, :], mask=k_mask, other=0.0).to(tl.float32)
+    v_all = tl.load(v_h + t[:, None] * HV * V + cv[None, :], mask=v_mask, other=0.0).to(tl.float32)
+    G = tl.load(g_h + t[:, None] * HV * K + ck[None, :], mask=k_mask, other=0.0).to(tl.float32)
     G = tl.cumsum(tl.maximum(G, FLOOR), axis=0)  # gc; rows past T add 0, so the last row is gc_C
     G_end = tl.sum(tl.where(r[:, None] == C - 1, G, 0.0), axis=0)  # gc_C, [BK]
 
     # Write the chunk's intermediates: one padded chunk of C rows per chunk, rows of the sequence in order.
     row = (i_bh * NT * C + t).to(tl.int64)[:, None]
-    W = tl.dot(X, b[:, None] * Kt * tl.exp(G), input_precision=PREC)
-    U = tl.dot(X, b[:, None] * Vt, input_precision=PREC)
+    W = tl.dot(X, beta_all[:, None] * k_all * tl.exp(G), input_precision=PREC)
+    U = tl.dot(X, beta_all[:, None] * v_all, input_precision=PREC)
     tl.store(w + row * BK + ck[None, :], W)
     tl.store(u + row * BV + cv[None, :], U)
-    tl.store(qg + row * BK + ck[None, :], scale * Qt * tl.exp(G))
-    tl.store(kd + row * BK + ck[None, :], Kt * tl.exp(G_end[None, :] - G))
+    tl.store(qg + row * BK + ck[None, :], scale * q_all * tl.exp(G))
+    tl.store(kd + row * BK + ck[None, :], k_all * tl.exp(G_end[None, :] - G))
     tl.store(aqk + row * C + r[None, :], scale * Aqk)
     tl.store(gl + (i_bh * NT + i_c).to(tl.int64) * BK + ck, tl.exp(G_end))
 

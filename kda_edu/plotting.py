@@ -3,8 +3,8 @@
 Each figure states its finding in the title and labels both axes with units; ``figure`` refuses to make one
 that does not. The book's pages are about 750 pixels wide, so a figure is at most ``PAGE_WIDTH`` inches wide
 (panels beyond ``MAX_COLUMNS`` go to a new row), long titles and axis labels are wrapped instead of cut off,
-and ``finish`` lifts every text to at least ``MIN_FONT`` points and moves a legend that covers data to the
-right of its panel.
+and ``finish`` lifts every text to at least ``MIN_FONT`` points and moves a legend that covers data below
+the figure (one shared legend, so the panels keep their width).
 """
 
 import math
@@ -13,6 +13,14 @@ import textwrap
 import matplotlib.pyplot as plt
 from matplotlib.text import Text
 
+# One colour per method in every chapter: a reader who learns that red is kda_edu's kernel finds it red again.
+COLORS = {
+    "kda_edu": "C3",  # our Triton kernels
+    "fla": "C0",  # fla's, the baseline
+    "fla gated delta": "C2",  # fla's Gated DeltaNet kernel
+    "reference": "C7",  # a plain PyTorch form (kda_chunked, a loop)
+    "softmax": "k",  # softmax attention (FlashAttention through sdpa)
+}
 PAGE_WIDTH = 9.0  # inches: the widest figure; a page shows it at about 0.75 of its size
 MAX_COLUMNS = 2  # panels per row
 MIN_FONT = 9.5  # points, before the page scales the figure down
@@ -92,17 +100,22 @@ def _covers_data(ax, legend, renderer) -> bool:
 def finish(fig) -> None:
     """Make the figure readable at the page's width, then show it (inline in a notebook).
 
-    Every text smaller than ``MIN_FONT`` is enlarged to it, and a legend that covers data moves outside its
-    panel, to the right; constrained layout then makes room for both.
+    Every text smaller than ``MIN_FONT`` is enlarged to it. Legends that cover data leave their panels and
+    become one legend below the figure (a label shared by two panels appears once), so no panel is squeezed
+    sideways; constrained layout then makes room for it.
     """
     for text in fig.findobj(Text):
         if text.get_text() and text.get_fontsize() < MIN_FONT:
             text.set_fontsize(MIN_FONT)
     renderer = fig.canvas.get_renderer()
     fig.draw_without_rendering()
+    moved = {}  # label -> handle, in order, from every legend that covers data
     for ax in fig.axes:
         legend = ax.get_legend()
         if legend is not None and _covers_data(ax, legend, renderer):
-            legend.set_loc("upper left")
-            legend.set_bbox_to_anchor((1.02, 1.0), transform=ax.transAxes)
+            for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
+                moved.setdefault(text.get_text(), handle)
+            legend.remove()
+    if moved:
+        fig.legend(list(moved.values()), list(moved), loc="outside lower center", ncols=min(3, len(moved)))
     plt.show()

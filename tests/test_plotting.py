@@ -32,7 +32,7 @@ def test_long_labels_and_titles_are_wrapped():
     plt.close(fig)
 
 
-def test_finish_enlarges_small_text_and_moves_a_legend_off_the_data():
+def test_finish_enlarges_small_text_and_moves_a_legend_below_the_figure():
     fig, (ax,) = plotting.figure("a finding", [("x (s)", "y (m)")])
     xs = [i / 50 for i in range(51)]
     ax.plot(xs, [1.0] * 51, label="flat line across the top")
@@ -46,8 +46,15 @@ def test_finish_enlarges_small_text_and_moves_a_legend_off_the_data():
     assert plotting._covers_data(ax, legend, renderer)
     plotting.finish(fig)
     fig.draw_without_rendering()
-    assert not plotting._covers_data(ax, legend, renderer)
-    assert legend.get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1  # right of the panel
+    assert ax.get_legend() is None and len(fig.legends) == 1  # one shared legend, below the figure
+    (shared,) = fig.legends
+    assert [t.get_text() for t in shared.get_texts()] == [
+        "flat line across the top",
+        "flat line across the bottom",
+        "a point in the middle",
+    ]
+    assert shared.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0  # below the panel
+    assert ax.get_window_extent(renderer).width > 0.8 * fig.get_window_extent(renderer).width  # not squeezed
     assert (
         min(t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_text()) >= plotting.MIN_FONT
     )
@@ -63,4 +70,23 @@ def test_finish_leaves_a_legend_that_covers_nothing():
     fig.draw_without_rendering()
     renderer = fig.canvas.get_renderer()
     assert legend.get_window_extent(renderer).x1 <= ax.get_window_extent(renderer).x1  # still inside
+    plt.close(fig)
+
+
+def test_finish_merges_the_legends_of_two_panels_into_one():
+    fig, axes = plotting.figure("a finding", [("x (s)", "y (m)"), ("x (s)", "z (m)")])
+    for ax, other in zip(axes, ["only on the left", "only on the right"], strict=True):
+        ax.plot([0, 1], [1, 1], label="kda_edu")
+        ax.plot([0, 1], [0, 0], label=other)
+        ax.plot([0.5], [0.5], "o", label="fla")
+        ax.legend(loc="center")
+    plotting.finish(fig)
+    (shared,) = fig.legends
+    assert [t.get_text() for t in shared.get_texts()] == [
+        "kda_edu",
+        "only on the left",
+        "fla",
+        "only on the right",
+    ]
+    assert all(ax.get_legend() is None for ax in axes)
     plt.close(fig)

@@ -62,6 +62,7 @@ from kda_edu.kernels.offline import compile_source, in_fresh_python
 from kda_edu.ops._checks import GATE_FLOOR
 from kda_edu.ops._chunks import chunk_inputs, to_chunks
 from kda_edu.ops.chunkwise import intra_chunk_matrices, ut_transform
+from kda_edu.plotting import COLORS
 
 # ---------------------------------------------------------------------------------------------------------
 # The kernels, one stage at a time
@@ -261,9 +262,7 @@ def gram16_kernel(
     a00, a11, a22, a33, q00, q11, q22, q33 = z, z, z, z, z, z, z, z
     for kc in range(0, BK, KC):
         ck = kc + tl.arange(0, KC)
-        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(
-            k_h, g_h, ck, H, HV, K, n_t, BC
-        )
+        k0, k1, k2, k3, l0, l1, l2, l3, s0, s1, s2, c0, c1, c2 = _key_blocks(k_h, g_h, ck, H, HV, K, n_t, BC)
         q0 = load_rows(q_h, t_0, H * K, ck, K, n_t).to(tl.float32) * scale
         q1 = load_rows(q_h, t_1, H * K, ck, K, n_t).to(tl.float32) * scale
         x, y = _pair(k1, q1, l1, c0, PREC)
@@ -642,11 +641,11 @@ def crossover(T: list[float], t_a: list[float], t_b: list[float]) -> float | Non
 
 
 STYLE = {
-    "kda_edu chunk_kda": dict(marker="o", color="C3"),
-    "fla chunk_kda": dict(marker="s", color="C0"),
-    "fla chunk_gated_delta_rule": dict(marker="^", color="C2"),
-    "torch sdpa flash causal": dict(marker="x", color="k"),
-    "kda_edu kda_chunked (PyTorch)": dict(marker="d", color="C7"),
+    "kda_edu chunk_kda": dict(marker="o", color=COLORS["kda_edu"]),
+    "fla chunk_kda": dict(marker="s", color=COLORS["fla"]),
+    "fla chunk_gated_delta_rule": dict(marker="^", color=COLORS["fla gated delta"]),
+    "torch sdpa flash causal": dict(marker="x", color=COLORS["softmax"]),
+    "kda_edu kda_chunked (PyTorch)": dict(marker="d", color=COLORS["reference"]),
 }
 
 

@@ -58,7 +58,8 @@ def v0_chunk_kernel(
     k_h = k + (i_b * T * H + i_h).to(tl.int64) * K
     g_h = g + (i_b * T * HV + i_hv).to(tl.int64) * K
     v_h = v + (i_b * T * HV + i_hv).to(tl.int64) * V
-    beta_all = tl.load(beta + (i_b * T * HV + i_hv).to(tl.int64) + t * HV, mask=in_seq, other=0.0).to(tl.float32)
+    beta_h = beta + (i_b * T * HV + i_hv).to(tl.int64)
+    beta_all = tl.load(beta_h + t * HV, mask=in_seq, other=0.0).to(tl.float32)
 
     # A and Aqk, one key channel at a time: an outer product times the pairwise decay exp(gc_i - gc_j).
     causal = r[:, None] >= r[None, :]

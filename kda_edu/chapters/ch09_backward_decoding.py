@@ -306,7 +306,7 @@ DECODE_BARS = {
 
 def plot_decode(result: dict):
     """Bar chart of one decoding step's time from a committed decode benchmark, with the floor."""
-    from kda_edu.plotting import figure, finish
+    from kda_edu.plotting import COLORS, figure, finish
 
     s = result["shape"]
     ratios = [result["ms"][key] / result["floor_ms"] for key in DECODE_BARS.values()]
@@ -318,7 +318,7 @@ def plot_decode(result: dict):
     )
     names = list(DECODE_BARS)
     times = [result["ms"][key] for key in DECODE_BARS.values()]
-    colors = ["C0", "C0", "C2", "C1", "C3"]
+    colors = [COLORS["kda_edu"]] * 4 + [COLORS["fla"]]
     ax.bar(range(len(names)), times, color=colors)
     for i, (t, r) in enumerate(zip(times, ratios, strict=True)):
         ax.text(i, t, f"{t * 1e3:.1f} us\n{r:.2f}x", ha="center", va="bottom", fontsize=8)
@@ -537,8 +537,7 @@ MEMORY_GROUPS = {  # backward_memory's buffers, grouped for the figure
 }
 
 
-FLA_COLOR = "C3"
-MEMORY_COLORS = ("#c6dbef", "#6baed6", "#2171b5", "#08306b", "#9e9ac8")
+MEMORY_COLORS = ("#fcbba1", "#fb6a4a", "#de2d26", "#a50f15", "#67000d")  # shades of kda_edu's red
 
 
 def plot_fwd_bwd(steps: dict, memory: dict, memory_shape: tuple, fla_gib: float):
@@ -546,7 +545,7 @@ def plot_fwd_bwd(steps: dict, memory: dict, memory_shape: tuple, fla_gib: float)
     (ours ms, fla ms)}`), with 1.25x fla's time marked; and at `memory_shape` the peak beyond the inputs,
     ours as `backward_memory` counts it (`memory`, split into `MEMORY_GROUPS`) beside fla's measured
     `fla_gib`."""
-    from kda_edu.plotting import figure, finish
+    from kda_edu.plotting import COLORS, figure, finish
 
     ratios = [ours / fla for ours, fla in steps.values()]
     ours_gib = memory["peak"] / 2**30
@@ -564,8 +563,8 @@ def plot_fwd_bwd(steps: dict, memory: dict, memory_shape: tuple, fla_gib: float)
     x = list(range(len(steps)))
     ours_ms = [o for o, _ in steps.values()]
     fla_ms = [f for _, f in steps.values()]
-    ax.bar([i - 0.2 for i in x], ours_ms, width=0.4, color="C0", label="kda_edu chunk_kda")
-    ax.bar([i + 0.2 for i in x], fla_ms, width=0.4, color=FLA_COLOR, label="fla chunk_kda")
+    ax.bar([i - 0.2 for i in x], ours_ms, width=0.4, color=COLORS["kda_edu"], label="kda_edu chunk_kda")
+    ax.bar([i + 0.2 for i in x], fla_ms, width=0.4, color=COLORS["fla"], label="fla chunk_kda")
     ax.plot([], [], color="k", ls=":", label="1.25x fla")
     for i, (t, f, r) in enumerate(zip(ours_ms, fla_ms, ratios, strict=True)):
         ax.text(i - 0.2, t, f"{r:.2f}x", ha="center", va="bottom", fontsize=9)
@@ -580,7 +579,7 @@ def plot_fwd_bwd(steps: dict, memory: dict, memory_shape: tuple, fla_gib: float)
         gib = sum(memory["at_peak"].get(m, 0) for m in members) / 2**30
         ax.bar(0, gib, bottom=bottom, color=color, label=f"ours (counted): {group}")
         bottom += gib
-    ax.bar(1, fla_gib, color=FLA_COLOR, label="fla (measured)")
+    ax.bar(1, fla_gib, color=COLORS["fla"], label="fla (measured)")
     ax.set_xticks([0, 1], ["kda_edu chunk_kda", "fla chunk_kda"])
     ax.legend(fontsize=7, loc="upper left")
     ax.set_ylim(0, max(ours_gib, fla_gib) * 1.8)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import browser_check  # noqa: E402
 import cache_guard  # noqa: E402
+import figure_numbers  # noqa: E402
 import merge_junit  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
@@ -28,6 +29,8 @@ HAS_JUPYTER_BOOK = (VENV_BIN / "jupyter-book").exists() and shutil.which("make")
 
 def write_book(where: Path, cell: str) -> None:
     shutil.copy(ROOT / "_config.yml", where / "_config.yml")
+    (where / "tools").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "tools" / "figure_numbers.py", where / "tools")  # the config's local extension
     (where / "_toc.yml").write_text("format: jb-book\nroot: page\n")
     nb = new_notebook(cells=[new_markdown_cell("# A page"), new_code_cell(cell)])
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
@@ -203,3 +206,23 @@ def test_merged_reports_drop_the_cases_of_a_rerun_file(tmp_path):
     # Merged the other way round, the old failures come back: the order decides, not a filter.
     suite = merge_junit.merge([later, first]).find("testsuite")
     assert (suite.get("tests"), suite.get("failures")) == ("6", "2")
+
+
+def test_figures_are_numbered_per_chapter():
+    """Sphinx numbers figures across the book; the extension renumbers each chapter's 1, 2, ... in page
+    order with the chapter's number, leaving pages without one (the introduction, appendices) alone."""
+
+    class Env:
+        toc_fignumbers = {
+            "book/intro": {"figure": {"fig-intro": (1,)}},
+            "book/02_linear_attention": {"figure": {"fig-b": (3,), "fig-a": (2,)}},
+            "book/08_chunk_kernel": {"figure": {"fig-late": (31,), "fig-early": (30,)}, "table": {"t": (4,)}},
+        }
+
+    changed = figure_numbers.renumber(None, Env)
+    assert Env.toc_fignumbers == {
+        "book/intro": {"figure": {"fig-intro": (1,)}},
+        "book/02_linear_attention": {"figure": {"fig-b": (2, 2), "fig-a": (2, 1)}},
+        "book/08_chunk_kernel": {"figure": {"fig-late": (8, 2), "fig-early": (8, 1)}, "table": {"t": (8, 1)}},
+    }
+    assert changed == ["book/02_linear_attention", "book/08_chunk_kernel"]

@@ -47,6 +47,18 @@ def _wrap(text: str, inches: float, points: float) -> str:
     return "\n".join(textwrap.wrap(text, chars, break_on_hyphens=False)) if len(text) > chars else text
 
 
+def _sharp_on_the_page() -> None:
+    """In a notebook, send figures as PNGs at twice their pixels with their display size beside them
+    ("retina"), so that the built pages (myst-nb keeps the size) show sharp text. Outside IPython: nothing."""
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        set_matplotlib_formats("retina")
+
+
 def figure(title: str, panels: list[tuple[str, str]], *, width: float = 5.0, height: float = 3.6):
     """Create a figure with one panel per ``(xlabel, ylabel)`` pair and the finding as its title.
 
@@ -63,6 +75,7 @@ def figure(title: str, panels: list[tuple[str, str]], *, width: float = 5.0, hei
     for xlabel, ylabel in panels:
         if not xlabel.strip() or not ylabel.strip():
             raise ValueError(f"every panel needs both axis labels (with units), got {(xlabel, ylabel)}")
+    _sharp_on_the_page()
     cols = min(len(panels), MAX_COLUMNS)
     rows = math.ceil(len(panels) / cols)
     panel_width = min(width, PAGE_WIDTH / cols)

@@ -1,5 +1,7 @@
 """The chapter's one-listing chunked KDA against the float64 loop."""
 
+import math
+
 import pytest
 import torch
 
@@ -39,3 +41,30 @@ def test_without_decay_it_is_the_delta_rule():
     o, S = chunked_kda(h["q"], h["k"], h["v"], torch.zeros_like(h["g"]), h["beta"], chunk_size=32)
     torch.testing.assert_close(o, o_ref[0, :, 0], rtol=0, atol=1e-12)
     torch.testing.assert_close(S, S_ref[0, 0], rtol=0, atol=1e-12)
+
+
+def test_gate_bound_errors_break_where_the_exponents_overflow():
+    from kda_edu.chapters.ch06_chunkwise import gate_bound_errors
+
+    # At -1 every scheme is accurate; at -6 the chunk-start split (64 x 6) and 16-row anchors (16 x 6) overflow.
+    errors = gate_bound_errors([-1.0, -6.0], T=64, d=8)
+    assert all(errs[0] < 1e-5 for errs in errors.values())
+    assert errors["split at chunk start"][1] == errors["anchored every 16 rows"][1] == math.inf
+    assert errors["kda_chunked"][1] < 1e-5
+
+
+def test_plots_draw_every_series(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kda_edu.chapters.ch06_chunkwise import plot_chunk_timings, plot_gate_bound_errors
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    fig = plot_gate_bound_errors([-1.0, -6.0], {"a": [1e-7, math.inf], "b": [1e-7, 1e-7], "c": [1e-7, 1e-7]})
+    assert [line.get_ydata()[1] for line in fig.axes[0].get_lines()[:3]] == [1.0, 1e-7, 1e-7]
+    t = {4: 1.0, 16: 2.0}
+    fig = plot_chunk_timings([4, 16], t, t, {16: {4: 0.5, 16: 0.5}}, {4: 1.0, 16: 0.25})
+    assert len(fig.axes[0].get_lines()) == 4 and list(fig.axes[1].get_lines()[1].get_ydata()) == [1.0, 8.0]
+    plt.close("all")

@@ -125,10 +125,21 @@ def _calls_the_library(q, k, v, beta, C):
     return o[0, :, 0], S[0, 0]
 
 
+def _calls_the_chapter_listing(q, k, v, beta, C):
+    from kda_edu.chapters.ch06_chunkwise import chunked_kda
+
+    K = k.shape[-1]
+    return chunked_kda(q * K**0.5, k, v, torch.zeros_like(k), beta, C)  # KDA with no decay, unscaled
+
+
 @pytest.mark.parametrize(
     "shortcut, message",
-    [(_token_loop, "not chunked"), (_calls_the_library, "delta_rule_chunked")],
-    ids=["token_loop", "library"],
+    [
+        (_token_loop, "not chunked"),
+        (_calls_the_library, "delta_rule_chunked"),
+        (_calls_the_chapter_listing, "chunked_kda"),
+    ],
+    ids=["token_loop", "library", "chapter_listing"],
 )
 def test_capstone_rejects_the_shortcuts(shortcut, message):
     with pytest.raises(WrongAnswer, match=message):

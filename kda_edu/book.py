@@ -69,11 +69,19 @@ def explore(function, **controls):
 
     ``controls`` maps each keyword argument of ``function`` to an ipywidgets control or an
     abbreviation (a ``(min, max, step)`` tuple, a list of options). The widget needs a live
-    kernel; every chapter also draws the same figure statically for readers of the website.
+    kernel; every chapter also draws the same figure statically for readers of the website, and the
+    explorer says so in one line above its controls (on a built page the controls do not redraw).
     """
     import ipywidgets
 
+    print(EXPLORE_NOTICE)
     return ipywidgets.interactive(function, **controls)
+
+
+EXPLORE_NOTICE = (
+    "Interactive: these controls redraw in a running notebook (Jupyter, Colab); on the website they "
+    "stay at the saved settings, and the figure above shows the main ones."
+)
 
 
 def glue(name: str, value):

@@ -156,3 +156,15 @@ def test_a_figure_cell_displays_only_its_figure(path):
     for number, cell in enumerate(notebook.cells):
         if cell.cell_type == "code" and "figure" in cell.metadata.get("mystnb", {}):
             assert "display(" not in cell.source, f"{path.name} cell {number}: displays more than its figure"
+
+
+def test_explore_says_its_controls_need_a_running_notebook(capsys):
+    """A slider on a built page cannot redraw; the explorer says so above its controls, in one line."""
+    from kda_edu.book import EXPLORE_NOTICE, explore
+
+    seen = []
+    widget = explore(lambda n: seen.append(n), n=(1, 8, 1))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == EXPLORE_NOTICE and "running notebook" in EXPLORE_NOTICE
+    widget.children[0].value = 3  # the slider re-runs the function in a live kernel
+    assert seen[-1] == 3

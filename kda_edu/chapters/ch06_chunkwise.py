@@ -116,10 +116,15 @@ def plot_chunk_timings(lengths, t_loop, t_matmul_same_flops, t_chunked, t_matmul
 
     fig, (ax1, ax2) = figure(
         "Beyond a few dozen tokens chunks beat the loop; the lead peaks where fixed costs stop mattering",
-        [("sequence length T (tokens)", "time (s)"), ("sequence length T (tokens)", "speed-up over the loop (x)")],
+        [
+            ("sequence length T (tokens)", "time (s)"),
+            ("sequence length T (tokens)", "speed-up over the loop (x)"),
+        ],
     )
     ax1.loglog(lengths, [t_loop[T] for T in lengths], "o-", color="k", label="loop")
-    ax1.loglog(lengths, [t_matmul_same_flops[T] for T in lengths], "x:", color="gray", label="one matmul, same FLOPs")
+    ax1.loglog(
+        lengths, [t_matmul_same_flops[T] for T in lengths], "x:", color="gray", label="one matmul, same FLOPs"
+    )
     forms = [(f"kda_chunked, C = {C}", ".-", t) for C, t in t_chunked.items()]
     for label, style, t in forms + [("matmul form, C = 64", "s--", t_matmul_form)]:
         ax1.loglog(lengths, [t[T] for T in lengths], style, label=label)

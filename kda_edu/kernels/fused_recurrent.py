@@ -110,8 +110,8 @@ def _fused_recurrent_kda_kernel(
         beta_t = tl.load(beta + vh_row).to(tl.float32)
 
         S = S * tl.exp(g_t)[:, None]
-        u_t = beta_t * (v_t - tl.sum(S * k_t[:, None], axis=0))  # beta (v - S^T k), shape [BV]
-        S = S + k_t[:, None] * u_t[None, :]
+        U_t = beta_t * (v_t - tl.sum(S * k_t[:, None], axis=0))  # beta (v - S^T k), shape [BV]
+        S = S + k_t[:, None] * U_t[None, :]
         o_t = tl.sum(S * q_t[:, None], axis=0)  # S^T (scale q), shape [BV]
         tl.store(o + vh_row * V + cv, o_t.to(o.dtype.element_ty), mask=v_mask)
 

@@ -126,12 +126,13 @@ def scan_flops(T: int, K: int, V: int) -> int:
 
 
 def compose_affine(later, earlier):
-    """Compose two affine maps of the state: apply `earlier = (A1, X1)`, then `later = (A2, X2)`.
+    """Compose two affine maps of the state: apply `earlier = (M1, X1)`, then `later = (M2, X2)`.
 
-    `S -> A2 (A1 S + X1) + X2 = (A2 A1) S + (A2 X1 + X2)`. A is `[..., K, K]`, X is `[..., K, V]`.
+    `S -> M2 (M1 S + X1) + X2 = (M2 M1) S + (M2 X1 + X2)`. M (the transition) is `[..., K, K]`, X is
+    `[..., K, V]`.
     """
-    (A2, X2), (A1, X1) = later, earlier
-    return A2 @ A1, A2 @ X1 + X2
+    (M2, X2), (M1, X1) = later, earlier
+    return M2 @ M1, M2 @ X1 + X2
 
 
 def parallel_scan(elements, compose):

@@ -75,8 +75,8 @@ def delta_rule_chunked(
     """DeltaNet chunk by chunk, with the WY representation.
 
     In a chunk of C steps entering with state `S_0`, the values actually written,
-    `u_i = beta_i (v_i - S_{i-1}^T k_i)`, satisfy one unit lower-triangular system (substitute
-    `S_{i-1} = S_0 + sum_{j<i} k_j u_j^T`):
+    `U_i = beta_i (v_i - S_{i-1}^T k_i)`, satisfy one unit lower-triangular system (substitute
+    `S_{i-1} = S_0 + sum_{j<i} k_j U_j^T`):
 
         (I + A) U = Diag(beta) (V - K S_0),    A = strictly_lower(Diag(beta) K K^T)
 

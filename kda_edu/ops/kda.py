@@ -133,10 +133,10 @@ def kda_chunked(
     `gc_i = g_1 + ... + g_i` the cumulative log decay from the chunk start (per key channel), the state
     entering the chunk `S_0` and the state after step i is
 
-        S_i = Diag(exp(gc_i)) S_0 + sum_{j <= i} Diag(exp(gc_i - gc_j)) k_j u_j^T
+        S_i = Diag(exp(gc_i)) S_0 + sum_{j <= i} Diag(exp(gc_i - gc_j)) k_j U_j^T
 
-    where `u_j = beta_j (v_j - S'_j^T k_j)` is the value actually written at step j. Substituting S'_j turns
-    the C definitions of u into one unit lower-triangular system (the UT transform):
+    where `U_j = beta_j (v_j - S'_j^T k_j)` is the value actually written at step j. Substituting S'_j turns
+    the C definitions of U_j into one unit lower-triangular system (the UT transform):
 
         (I + A) U = Diag(beta) (V - (K * exp(gc)) S_0),
         A_ij = beta_i sum_c k_ic k_jc exp(gc_ic - gc_jc) for j < i, else 0

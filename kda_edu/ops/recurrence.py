@@ -3,8 +3,8 @@
 Kimi Delta Attention keeps a state `S` of shape `[K, V]` per value head and, at every step t,
 
     S'_t = Diag(exp(g_t)) S_{t-1}                decay: key channel c keeps exp(g_t[c]) of its row
-    u_t  = beta_t (v_t - S'_t^T k_t)             delta rule: write only what S'_t mispredicts for k_t
-    S_t  = S'_t + k_t u_t^T                      write
+    U_t  = beta_t (v_t - S'_t^T k_t)             delta rule: write only what S'_t mispredicts for k_t
+    S_t  = S'_t + k_t U_t^T                      write
     o_t  = S_t^T (scale q_t)                     read
 
 The earlier chapters are this loop with some parts switched off:
@@ -79,8 +79,8 @@ def general_recurrence(
         S = g[:, t, :, :, None].exp() * S
         if delta_rule:
             v_t = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)
-        u_t = beta[:, t, :, None] * v_t
-        S = S + k_t[..., :, None] * u_t[..., None, :]
+        U_t = beta[:, t, :, None] * v_t
+        S = S + k_t[..., :, None] * U_t[..., None, :]
         S = torch.where(bad_k[:, t, :, :, None], math.nan, S)  # a bad key spoils the state
         o.append(torch.where(bad_q[:, t], math.nan, torch.einsum("bhk,bhkv->bhv", q_t, S)))
     return torch.stack(o, dim=1).to(v.dtype), (S if output_final_state else None)

@@ -44,7 +44,7 @@ def one_shape(B, T, H):
             lambda p=p: chunk_fwd.chunk_kda_fwd(*args, pieces=p), return_mode="median"
         )
     row["default_pieces"] = chunk_launch.time_pieces(
-        B, chunk_common.chunk_layout(T, B)[0], H, D, D, 2, False, "cuda"
+        B, chunk_common.chunk_layout(T, B)[0], H, D, D, 2, False, chunk_launch.device_multiprocessors("cuda")
     )
     # A CUDA graph of the default forward, replayed on new inputs of the same shape, against eager.
     static = [t.clone() for t in args[:5]]

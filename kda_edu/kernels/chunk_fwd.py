@@ -111,7 +111,13 @@ from kda_edu.kernels.chunk_common import (
     seq_chunks,
     work_precision,
 )
-from kda_edu.kernels.chunk_launch import pass_stages, scan_stream, scan_value_block, time_pieces
+from kda_edu.kernels.chunk_launch import (
+    device_multiprocessors,
+    pass_stages,
+    scan_stream,
+    scan_value_block,
+    time_pieces,
+)
 
 
 @jit
@@ -752,7 +758,8 @@ def chunk_kda_fwd(
     varlen = cu_seqlens is not None
     if pieces is None and interpreting():
         pieces = 1  # nothing runs side by side there
-    cut = time_pieces(N, NCH if varlen else NT, HV, V, BVP, idt.itemsize, varlen, q.device, pieces)
+    sms = device_multiprocessors(dev)
+    cut = time_pieces(N, NCH if varlen else NT, HV, V, BVP, idt.itemsize, varlen, sms, pieces)
     # The state between pieces of the time axis goes through ht (a program reads and writes only its own block).
     chained = any(cs > 0 for _, _, cs, _ in cut)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state or chained else None

@@ -63,12 +63,21 @@ def _multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def device_multiprocessors(device) -> int | None:
+    """The multiprocessor count of `device` if it is a CUDA GPU (the current one for "cuda"), else None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def time_pieces(
-    N: int, NT: int, HV: int, V: int, BVP: int, itemsize: int, varlen: bool, device=None, pieces=None
+    N: int, NT: int, HV: int, V: int, BVP: int, itemsize: int, varlen: bool, sms=None, pieces=None
 ) -> list[tuple[int, int, int, int]]:
     """How `chunk_kda_fwd` cuts its work, as a list of (first sequence, sequences, first chunk, chunks): the
     prepare kernels of one piece, then its scan on the side stream, then the next piece. N sequences of NT
-    chunks (with cu_seqlens: NT all the chunks, one piece), HV value heads, V value columns.
+    chunks (with cu_seqlens: NT all the chunks, one piece), HV value heads, V value columns, on a GPU of `sms`
+    multiprocessors (`device_multiprocessors`; None where no waves limit the scan: a CPU, the interpreter).
 
     One piece when there are fewer than PIECE_MIN_CHUNK_HEADS chunks x value heads (the launches of more
     pieces would cost more than the overlap saves: 0.18 ms in one piece at (1, 2048, 16) on the H200, 0.32 in
@@ -95,12 +104,7 @@ def time_pieces(
     if pieces is None:
         if N * NT * HV < PIECE_MIN_CHUNK_HEADS:
             return whole
-        index = None if device is None else torch.device(device).index
-        if device is None:
-            sms = 132  # the H200's
-        else:
-            sms = _multiprocessors(torch.cuda.current_device() if index is None else index)
-        if N * HV * triton.cdiv(V, scan_value_block(N * HV, V, BVP, itemsize, sms)) > sms:
+        if sms is not None and N * HV * triton.cdiv(V, scan_value_block(N * HV, V, BVP, itemsize, sms)) > sms:
             return whole  # the scan fills the GPU in more than one wave
         pieces = min(PIECES_MAX, max(1, round((NT / 32) ** 0.5)))
     p = max(1, min(pieces, NT))

@@ -256,19 +256,24 @@ def test_time_pieces_cover_every_chunk_once(NT):
     expected = {128: 2, 512: 4, 2048: 8}.get(NT)
     if expected:
         for H in (32, 16):
-            assert len(time_pieces(1, NT, H, 128, 128, 2, False)) == expected
+            assert len(time_pieces(1, NT, H, 128, 128, 2, False, sms=132)) == expected
 
 
 def test_one_piece_when_the_scan_takes_more_than_one_wave():
-    """(8, 4096, 16) on 132 multiprocessors: blocks of 64 value columns make 256 scan programs, two waves; the
-    scan fills the GPU by itself, and the forward runs in one piece. (1, 8192, 32): 128 programs, two pieces."""
-    from kda_edu.kernels.chunk_launch import time_pieces
+    """(4, 8192, 32) on 132 multiprocessors (an H100 SXM's or an H200's): blocks of 64 value columns make 256
+    scan programs, two waves; the scan fills the GPU by itself, and the forward runs in one piece. On a GPU
+    of 528 blocks of 32 make one wave of 512, and the time axis is cut in two. (1, 8192, 32): 128 programs,
+    two pieces. Where no waves limit the scan (sms None: a CPU) only the amount of work decides."""
+    from kda_edu.kernels.chunk_launch import device_multiprocessors, time_pieces
 
-    assert time_pieces(8, 64, 16, 128, 128, 2, False) == [(0, 8, 0, 64)]
-    assert time_pieces(1, 128, 32, 128, 128, 2, False) == [
+    assert time_pieces(4, 128, 32, 128, 128, 2, False, sms=132) == [(0, 4, 0, 128)]
+    assert len(time_pieces(4, 128, 32, 128, 128, 2, False, sms=528)) == 2
+    assert time_pieces(1, 128, 32, 128, 128, 2, False, sms=132) == [
         (0, 1, 0, 96),
         (0, 1, 96, 32),
     ]  # the last half a share
+    assert time_pieces(1, 128, 32, 128, 128, 2, False) == time_pieces(1, 128, 32, 128, 128, 2, False, sms=132)
+    assert device_multiprocessors("cpu") is None
 
 
 def test_beta_message_shows_the_value_that_breaks_the_range():

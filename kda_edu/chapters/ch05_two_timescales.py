@@ -217,6 +217,101 @@ def plot_channel_retention(ax, g: torch.Tensor, steps: int = 1000, legend: bool 
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 
 
+def plot_gate_shapes(x: torch.Tensor, g_soft: torch.Tensor, g_low: torch.Tensor) -> None:
+    """Chapter 5's figure of the two gates against their input `x` `[N]`: log decay (left), decay (right)."""
+    from kda_edu.plotting import figure, finish
+
+    fig, axes = figure(
+        "The softplus gate can erase a channel in one step; the bounded gate keeps at least exp(-5)",
+        [("gate input x + dt_bias (A_log = 0)", "log decay g per step"),
+         ("gate input x + dt_bias (A_log = 0)", "decay alpha = exp(g) per step")], width=3.9,
+    )
+    for ax, f in zip(axes, (lambda t: t, torch.exp), strict=True):
+        ax.plot(x, f(g_soft), label="softplus: -softplus(x)")
+        ax.plot(x, f(g_low), label="lower bound: -5 sigmoid(x)")
+        ax.legend(fontsize=8)
+    axes[0].axhline(-5, color="gray", ls=":", lw=1)
+    axes[0].set_ylim(-12, 0.5)
+    finish(fig)
+
+
+def plot_channel_half_lives(
+    gate: str = "softplus", A_log: float = 0.0, dt_center: float = -4.0, dt_spread: float = 3.0, x: float = 0.0
+) -> None:
+    """Chapter 5's explorer: `plot_channel_retention` for the gates `channel_decays` builds from these settings."""
+    from kda_edu.plotting import figure, finish
+
+    g = channel_decays(gate, A_log, dt_center, dt_spread, x)
+    lives = math.log(2) / -g.min(), math.log(2) / -g.max()
+    fig, (ax,) = figure(f"Half-lives from {lives[0]:.3g} to {lives[1]:.3g} steps",
+                        [("steps n since the write (log scale)", "fraction of the memory kept, exp(n g)")], width=7.5)
+    plot_channel_retention(ax, g)
+    finish(fig)
+
+
+def plot_retention_settings(settings: list[tuple[str, float, str]], dt_center: float = -4.0) -> None:
+    """Chapter 5's static figure: `plot_channel_retention` for each `(gate, dt_spread, title)` side by side."""
+    from kda_edu.plotting import figure, finish
+
+    fig, axes = figure(
+        "A dt_bias per channel spreads the half-lives over orders of magnitude; a scalar gate has one",
+        [("steps since the write (log)", "fraction kept, exp(n g)")] * len(settings), width=3.1, height=3.4,
+    )
+    for ax, (gate, spread, name) in zip(axes, settings, strict=True):
+        g = channel_decays(gate, 0.0, dt_center, spread, 0.0)
+        plot_channel_retention(ax, g, legend=False)
+        lives = math.log(2) / -g
+        ax.set_title(f"{name}\nhalf-lives {lives.min():.3g} to {lives.max():.3g} steps", fontsize=9)
+    finish(fig)
+
+
+def plot_gate_sweeps(decays: torch.Tensor, scalar: tuple, kda: tuple) -> None:
+    """Chapter 5's figure of the task: fact, recent and mean errors against the decay `-decays[1:]` (log axis).
+
+    Args:
+        decays: log decays `[G]`, `decays[0] = 0` (drawn as dotted horizontal lines).
+        scalar: `(fact, recent)` errors `[G]` of a scalar gate on all channels (left panel).
+        kda: `(fact, recent)` errors `[G]` of KDA with g = 0 on the slow half and the decay on the fast half.
+    """
+    from kda_edu.plotting import figure, finish
+
+    fig, axes = figure(
+        "One scalar decay must choose between facts and recent items; per-channel decay keeps both",
+        [("decay -g per step (log scale)", "squared error (1 = answer zero)")] * 2, width=3.9, height=3.6,
+    )
+    names = ("scalar gate g on all channels (Gated DeltaNet)", "KDA: g = 0 on the slow half, g on the fast half")
+    for ax, (fact, recent), name in zip(axes, (scalar, kda), names, strict=True):
+        for err, label, color in ((fact, "facts", "C0"), (recent, "recent items", "C1"),
+                                  ((fact + recent) / 2, "mean", "k")):
+            ax.plot(-decays[1:], err[1:], color=color, label=label)
+            ax.axhline(err[0], color=color, ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_title(name + "\n(dotted: g = 0)", fontsize=9)
+        ax.set_ylim(0, 1.05)
+    best_kda = ((kda[0] + kda[1]) / 2).min().item()
+    axes[0].axhline(best_kda, color="C2", ls="--", label=f"best KDA mean, {best_kda:.2f}")
+    axes[0].legend(fontsize=8)
+    finish(fig)
+
+
+def plot_controls(controls: dict[str, list[float]]) -> None:
+    """Chapter 5's bar chart: each model's best mean error, a bar for the first task draw and ticks for all."""
+    from kda_edu.plotting import figure, finish
+
+    fig, (ax,) = figure(
+        "Per-channel decay beats one head and needs keys aligned with its channels",
+        [("mean squared retrieval error (1 = answering zero)", "model (equal state size)")], width=7.0, height=3.8,
+    )
+    for row, (name, means) in enumerate(controls.items()):
+        ax.barh(row, means[0], color="C2" if "KDA" in name else "C0", alpha=0.8)
+        ax.plot(means, [row] * len(means), "k|", ms=12)
+        ax.text(max(means) + 0.005, row, f"{means[0]:.3f}", va="center")
+    ax.set_yticks(range(len(controls)), list(controls))
+    ax.invert_yaxis()
+    ax.set_xlim(0, 0.3)
+    finish(fig)
+
+
 def rotate_keys(task: TwoTimescaleTask, seed: int = 1) -> TwoTimescaleTask:
     """The same episodes with every key and query multiplied by one random orthogonal matrix `R` `[K, K]`.
 
@@ -280,6 +375,41 @@ def gdn_heads_errors(task: TwoTimescaleTask, head_gates: torch.Tensor) -> tuple[
     read = torch.einsum("bqhk,bhgkv->bgqv", q, S.reshape(B, H, G, K // H, V))
     err = (read - task.targets[:, None]).pow(2).sum(-1)  # [B, G, Q]
     return err[..., : task.n_facts].mean((0, 2)), err[..., task.n_facts :].mean((0, 2))
+
+
+def control_errors(
+    task: TwoTimescaleTask, grid: torch.Tensor, pairs: torch.Tensor, angles: dict[str, float], rotate_seed: int = 1
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every model of the equal-state comparison on one batch of episodes, at every gate of its grid.
+
+    Args:
+        task: the episodes.
+        grid: scalar log decays `[G]` for one Gated DeltaNet head (the same on every channel).
+        pairs: log decay pairs `[P, 2]`: (slow half, fast half) for KDA, (head 0, head 1) for two heads.
+        angles: `{label: angle}`, the tilts of `mix_halves` run with KDA.
+        rotate_seed: the seed of `rotate_keys`' random rotation.
+
+    Returns:
+        `{model: (fact_error, recent_error)}` on the CPU, each `[G]` or `[P]` as `retrieval_errors` returns.
+    """
+    half, rotated = task.half, rotate_keys(task, seed=rotate_seed)
+    scalar, split = channel_gates(grid, grid, half), channel_gates(pairs[:, 0], pairs[:, 1], half)
+    runs = {
+        "GDN, 1 head": retrieval_errors(task, scalar),
+        "GDN, 2 heads": gdn_heads_errors(task, pairs),
+        "KDA": retrieval_errors(task, split),
+        "GDN, 1 head, rotated keys": retrieval_errors(rotated, scalar),
+        "KDA, rotated keys": retrieval_errors(rotated, split),
+    }
+    for label, angle in angles.items():
+        runs[f"KDA, keys tilted {label}"] = retrieval_errors(mix_halves(task, angle), split)
+    return {name: (fact.cpu(), recent.cpu()) for name, (fact, recent) in runs.items()}
+
+
+def best_mean(fact_recent: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The lowest mean of the fact and recent-item errors over a model's grid of gates."""
+    fact, recent = fact_recent
+    return ((fact + recent) / 2).min().item()
 
 
 class LearnedMemory(torch.nn.Module):

@@ -48,3 +48,34 @@ def test_mix_halves_keeps_overlaps_and_spreads_keys_over_both_halves():
     # The split gate (slow half kept, fast half decayed) loses facts once they lean into the fast half.
     split = tt.channel_gates(torch.tensor([0.0]), torch.tensor([-1.0]), task.half)
     assert tt.retrieval_errors(mixed, split)[0] > tt.retrieval_errors(task, split)[0] + 0.02
+
+
+def test_control_errors_runs_every_model_and_two_heads_match_kda():
+    task = tt.make_task(**SMALL, seed=6)
+    grid = torch.tensor([0.0, -0.1, -1.0])
+    pairs = torch.tensor([[0.0, -1.0], [-0.1, -0.1]])
+    runs = tt.control_errors(task, grid, pairs, {"pi/4": torch.pi / 4.0}, rotate_seed=2)
+    assert set(runs) == {"GDN, 1 head", "GDN, 2 heads", "KDA", "GDN, 1 head, rotated keys",
+                         "KDA, rotated keys", "KDA, keys tilted pi/4"}
+    assert runs["GDN, 1 head"][0].shape == (3,) and runs["KDA"][0].shape == (2,)
+    torch.testing.assert_close(runs["GDN, 2 heads"][0], runs["KDA"][0], rtol=0, atol=1e-5)
+    assert tt.best_mean(runs["KDA"]) == min((f + r).item() / 2 for f, r in zip(*runs["KDA"], strict=True))
+
+
+def test_figures_draw(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "show", lambda: None)
+    decays = torch.tensor([0.0, -0.1, -1.0])
+    errors = (torch.tensor([0.1, 0.5, 1.0]), torch.tensor([0.4, 0.2, 0.1]))
+    tt.plot_gate_sweeps(decays, errors, errors)
+    tt.plot_controls({"GDN, 1 head": [0.2, 0.21, 0.19], "KDA": [0.1, 0.12, 0.11]})
+    tt.plot_retention_settings([("softplus", 3.0, "spread"), ("lower bound", 0.0, "one bias")])
+    x = torch.linspace(-5, 5, 11, dtype=torch.float64)
+    tt.plot_gate_shapes(x, -torch.nn.functional.softplus(x), -5 * torch.sigmoid(x))
+    tt.plot_channel_half_lives("lower bound", dt_spread=0.0)
+    assert len(plt.get_fignums()) >= 5
+    plt.close("all")

@@ -223,8 +223,11 @@ def plot_gate_shapes(x: torch.Tensor, g_soft: torch.Tensor, g_low: torch.Tensor)
 
     fig, axes = figure(
         "The softplus gate can erase a channel in one step; the bounded gate keeps at least exp(-5)",
-        [("gate input x + dt_bias (A_log = 0)", "log decay g per step"),
-         ("gate input x + dt_bias (A_log = 0)", "decay alpha = exp(g) per step")], width=3.9,
+        [
+            ("gate input x + dt_bias (A_log = 0)", "log decay g per step"),
+            ("gate input x + dt_bias (A_log = 0)", "decay alpha = exp(g) per step"),
+        ],
+        width=3.9,
     )
     for ax, f in zip(axes, (lambda t: t, torch.exp), strict=True):
         ax.plot(x, f(g_soft), label="softplus: -softplus(x)")
@@ -236,15 +239,22 @@ def plot_gate_shapes(x: torch.Tensor, g_soft: torch.Tensor, g_low: torch.Tensor)
 
 
 def plot_channel_half_lives(
-    gate: str = "softplus", A_log: float = 0.0, dt_center: float = -4.0, dt_spread: float = 3.0, x: float = 0.0
+    gate: str = "softplus",
+    A_log: float = 0.0,
+    dt_center: float = -4.0,
+    dt_spread: float = 3.0,
+    x: float = 0.0,
 ) -> None:
     """Chapter 5's explorer: `plot_channel_retention` for the gates `channel_decays` builds from these settings."""
     from kda_edu.plotting import figure, finish
 
     g = channel_decays(gate, A_log, dt_center, dt_spread, x)
     lives = math.log(2) / -g.min(), math.log(2) / -g.max()
-    fig, (ax,) = figure(f"Half-lives from {lives[0]:.3g} to {lives[1]:.3g} steps",
-                        [("steps n since the write (log scale)", "fraction of the memory kept, exp(n g)")], width=7.5)
+    fig, (ax,) = figure(
+        f"Half-lives from {lives[0]:.3g} to {lives[1]:.3g} steps",
+        [("steps n since the write (log scale)", "fraction of the memory kept, exp(n g)")],
+        width=7.5,
+    )
     plot_channel_retention(ax, g)
     finish(fig)
 
@@ -255,7 +265,9 @@ def plot_retention_settings(settings: list[tuple[str, float, str]], dt_center: f
 
     fig, axes = figure(
         "A dt_bias per channel spreads the half-lives over orders of magnitude; a scalar gate has one",
-        [("steps since the write (log)", "fraction kept, exp(n g)")] * len(settings), width=3.1, height=3.4,
+        [("steps since the write (log)", "fraction kept, exp(n g)")] * len(settings),
+        width=3.1,
+        height=3.4,
     )
     for ax, (gate, spread, name) in zip(axes, settings, strict=True):
         g = channel_decays(gate, 0.0, dt_center, spread, 0.0)
@@ -277,12 +289,20 @@ def plot_gate_sweeps(decays: torch.Tensor, scalar: tuple, kda: tuple) -> None:
 
     fig, axes = figure(
         "One scalar decay must choose between facts and recent items; per-channel decay keeps both",
-        [("decay -g per step (log scale)", "squared error (1 = answer zero)")] * 2, width=3.9, height=3.6,
+        [("decay -g per step (log scale)", "squared error (1 = answer zero)")] * 2,
+        width=3.9,
+        height=3.6,
     )
-    names = ("scalar gate g on all channels (Gated DeltaNet)", "KDA: g = 0 on the slow half, g on the fast half")
+    names = (
+        "scalar gate g on all channels (Gated DeltaNet)",
+        "KDA: g = 0 on the slow half, g on the fast half",
+    )
     for ax, (fact, recent), name in zip(axes, (scalar, kda), names, strict=True):
-        for err, label, color in ((fact, "facts", "C0"), (recent, "recent items", "C1"),
-                                  ((fact + recent) / 2, "mean", "k")):
+        for err, label, color in (
+            (fact, "facts", "C0"),
+            (recent, "recent items", "C1"),
+            ((fact + recent) / 2, "mean", "k"),
+        ):
             ax.plot(-decays[1:], err[1:], color=color, label=label)
             ax.axhline(err[0], color=color, ls=":", lw=1)
         ax.set_xscale("log")
@@ -300,7 +320,9 @@ def plot_controls(controls: dict[str, list[float]]) -> None:
 
     fig, (ax,) = figure(
         "Per-channel decay beats one head and needs keys aligned with its channels",
-        [("mean squared retrieval error (1 = answering zero)", "model (equal state size)")], width=7.0, height=3.8,
+        [("mean squared retrieval error (1 = answering zero)", "model (equal state size)")],
+        width=7.0,
+        height=3.8,
     )
     for row, (name, means) in enumerate(controls.items()):
         ax.barh(row, means[0], color="C2" if "KDA" in name else "C0", alpha=0.8)
@@ -378,7 +400,11 @@ def gdn_heads_errors(task: TwoTimescaleTask, head_gates: torch.Tensor) -> tuple[
 
 
 def control_errors(
-    task: TwoTimescaleTask, grid: torch.Tensor, pairs: torch.Tensor, angles: dict[str, float], rotate_seed: int = 1
+    task: TwoTimescaleTask,
+    grid: torch.Tensor,
+    pairs: torch.Tensor,
+    angles: dict[str, float],
+    rotate_seed: int = 1,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every model of the equal-state comparison on one batch of episodes, at every gate of its grid.
 

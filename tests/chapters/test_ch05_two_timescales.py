@@ -55,8 +55,14 @@ def test_control_errors_runs_every_model_and_two_heads_match_kda():
     grid = torch.tensor([0.0, -0.1, -1.0])
     pairs = torch.tensor([[0.0, -1.0], [-0.1, -0.1]])
     runs = tt.control_errors(task, grid, pairs, {"pi/4": torch.pi / 4.0}, rotate_seed=2)
-    assert set(runs) == {"GDN, 1 head", "GDN, 2 heads", "KDA", "GDN, 1 head, rotated keys",
-                         "KDA, rotated keys", "KDA, keys tilted pi/4"}
+    assert set(runs) == {
+        "GDN, 1 head",
+        "GDN, 2 heads",
+        "KDA",
+        "GDN, 1 head, rotated keys",
+        "KDA, rotated keys",
+        "KDA, keys tilted pi/4",
+    }
     assert runs["GDN, 1 head"][0].shape == (3,) and runs["KDA"][0].shape == (2,)
     torch.testing.assert_close(runs["GDN, 2 heads"][0], runs["KDA"][0], rtol=0, atol=1e-5)
     assert tt.best_mean(runs["KDA"]) == min((f + r).item() / 2 for f, r in zip(*runs["KDA"], strict=True))

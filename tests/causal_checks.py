@@ -19,8 +19,9 @@ BAD = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 NAMES = ("q", "k", "v", "g", "beta")
 
 
-def make(T, H=1, HV=2, K=16, V=16, seed=0, dtype=torch.float32):
-    """Random inputs: unit keys, gates in [-1, 0], beta in (0, 1), an initial state."""
+def make(T, H=1, HV=2, K=16, V=16, seed=0, dtype=torch.float32, device="cpu"):
+    """Random inputs on `device` (drawn on the CPU, so a GPU sees the same values): unit keys, gates in
+    [-1, 0], beta in (0, 1), an initial state."""
     gen = torch.Generator().manual_seed(seed)
     x = dict(
         q=torch.randn(1, T, H, K, generator=gen),
@@ -30,7 +31,7 @@ def make(T, H=1, HV=2, K=16, V=16, seed=0, dtype=torch.float32):
         beta=torch.rand(1, T, HV, generator=gen),
         initial_state=torch.randn(1, HV, K, V, generator=gen),
     )
-    return {n: t.to(dtype) for n, t in x.items()}
+    return {n: t.to(dtype=dtype, device=device) for n, t in x.items()}
 
 
 def spoil(x, name, t, value, head=0, channel=0):
@@ -55,13 +56,14 @@ def prefix_gradients(fn, x, t, seed=1, **kw):
     xs = {n: a.detach().clone().requires_grad_() for n, a in x.items()}
     o = fn(**xs, **kw)[0]
     w = torch.randn(o[:, :t].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    w = w.to(o.device)
     (o[:, :t].double() * w).sum().backward()
     return o.detach(), {n: a.grad for n, a in xs.items()}
 
 
 def rel(x, ref):
     """Relative norm error; inf when x is not finite."""
-    x, ref = x.double(), ref.double()
+    x, ref = x.double().cpu(), ref.double().cpu()
     if not bool(torch.isfinite(x).all()):
         return math.inf
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -71,7 +73,7 @@ def causal_errors(fn, x, name, t, value, head=0, channel=0, **kw):
     """Errors of fn with `value` at step t of `name`, before t, against the float64 loop on the clean prefix:
     {"o": ..., "dq": ..., ..., "dinitial_state": ...}."""
     o, grads = prefix_gradients(fn, spoil(x, name, t, value, head, channel), t, **kw)
-    prefix = {n: (a if n == "initial_state" else a[:, :t]).double() for n, a in x.items()}
+    prefix = {n: (a if n == "initial_state" else a[:, :t]).double().cpu() for n, a in x.items()}
     ref_o, ref_grads = prefix_gradients(kda_recurrent, prefix, t)
     errors = {"o": rel(o[:, :t], ref_o)}
     for n, g in grads.items():

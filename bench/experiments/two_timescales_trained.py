@@ -2,10 +2,13 @@
 
 Trains `kda_edu.chapters.ch05_two_timescales.LearnedMemory` (one Gated DeltaNet head, two Gated DeltaNet heads, one KDA head,
 all with K x V numbers of state) on episodes whose key basis is rotated, so the model must learn keys that
-put facts and scratch items on different channels. Writes bench/results/two_timescales_trained.json (or
-$OUT/two_timescales_trained.json when OUT is set) with every run's held-out errors and learned gates.
+put facts and scratch items on different channels, from two starts of the gates: all in softplus's flat
+tail ("flat", g = -0.0025) and spread log-uniformly over rates 0.005 to 1 ("spread", as Mamba spreads its
+step sizes). Writes bench/results/two_timescales_trained.json (or $OUT/two_timescales_trained.json when OUT
+is set) with every run's held-out errors, its gates at the start and the end, and its training loss every
+50 steps.
 
-Run: python -m bench.experiments.two_timescales_trained [--steps 200] [--seeds 3]  (CPU, about 100 s of
+Run: python -m bench.experiments.two_timescales_trained [--steps 600] [--seeds 3]  (CPU, about 20 minutes of
 CPU time at the defaults, one process per run).
 """
 
@@ -24,22 +27,24 @@ MODELS = {"GDN, 1 head": (1, False), "GDN, 2 heads": (2, False), "KDA": (1, True
 
 
 def run(args):
-    name, seed, steps = args
+    name, seed, steps, gate_init = args
     torch.set_num_threads(1)
     heads, per_channel = MODELS[name]
     t0 = time.perf_counter()
-    r = train_learned_memory(heads, per_channel, seed=seed, steps=steps)
-    r.pop("loss")
-    return dict(model=name, seed=seed, seconds=time.perf_counter() - t0, **r)
+    r = train_learned_memory(heads, per_channel, seed=seed, steps=steps, gate_init=gate_init)
+    loss = r.pop("loss")
+    r["loss_every_50"] = [sum(loss[i : i + 50]) / len(loss[i : i + 50]) for i in range(0, len(loss), 50)]
+    return dict(model=name, seed=seed, gate_init=gate_init, seconds=time.perf_counter() - t0, **r)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--inits", nargs="+", default=["flat", "spread"])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     a = parser.parse_args()
-    jobs = [(name, seed, a.steps) for name in MODELS for seed in range(a.seeds)]
+    jobs = [(name, seed, a.steps, init) for init in a.inits for name in MODELS for seed in range(a.seeds)]
     with ProcessPoolExecutor(a.workers) as pool:
         runs = list(pool.map(run, jobs))
     out = Path(os.environ.get("OUT", "bench/results")) / "two_timescales_trained.json"
@@ -47,7 +52,7 @@ def main():
     write_result(out, dict(steps=a.steps, runs=runs))
     for r in runs:
         print(
-            f"{r['model']:13} seed {r['seed']}: facts {r['fact']:.3f} recent {r['recent']:.3f} mean {r['mean']:.3f}"
+            f"{r['gate_init']:6} {r['model']:13} seed {r['seed']}: facts {r['fact']:.3f} recent {r['recent']:.3f} mean {r['mean']:.3f}"
         )
     print("wrote", out)
 

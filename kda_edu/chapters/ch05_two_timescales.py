@@ -438,6 +438,10 @@ def best_mean(fact_recent: tuple[torch.Tensor, torch.Tensor]) -> float:
     return ((fact + recent) / 2).min().item()
 
 
+GATE_INITS = ("flat", "spread")
+SPREAD = (0.005, 1.0)  # the decay rates -g a "spread" start covers
+
+
 class LearnedMemory(torch.nn.Module):
     """The smallest trained version of the task's memory: learned keys and learned constant decays.
 
@@ -445,12 +449,15 @@ class LearnedMemory(torch.nn.Module):
     model maps every key and query through one learned matrix `W` `[K, K]` (started at a random rotation), cuts
     the result into `heads` blocks, L2-normalises each block, and runs the delta rule (beta = 1) with learned
     constant log decays `-softplus(theta)`: one per head for Gated DeltaNet, one per key channel for KDA
-    (`per_channel=True`, one head). The read-out is a learned weighted sum of the heads' reads. Every variant
+    (`per_channel=True`, one head), started all at -0.0025 (`gate_init="flat"`) or spread log-uniformly over
+    the rates in `SPREAD` (`"spread"`). The read-out is a learned weighted sum of the heads' reads. Every variant
     keeps `K x V` numbers of state.
     """
 
-    def __init__(self, K: int, heads: int, per_channel: bool, seed: int):
+    def __init__(self, K: int, heads: int, per_channel: bool, seed: int, gate_init: str = "flat"):
         super().__init__()
+        if gate_init not in GATE_INITS:
+            raise ValueError(f"gate_init must be one of {GATE_INITS}, got {gate_init!r}")
         if per_channel and heads != 1:
             raise ValueError(f"per_channel decay is KDA: heads must be 1, got {heads}")
         if K % heads:
@@ -458,7 +465,16 @@ class LearnedMemory(torch.nn.Module):
         gen = torch.Generator().manual_seed(seed)
         self.heads, self.per_channel = heads, per_channel
         self.W = torch.nn.Parameter(torch.linalg.qr(torch.randn(K, K, generator=gen))[0])
-        self.theta = torch.nn.Parameter(torch.full((K if per_channel else heads,), -6.0))  # g about -0.0025
+        n = K if per_channel else heads
+        if (
+            gate_init == "flat"
+        ):  # every gate in softplus's flat tail: g about -0.0025, gradients scaled by 0.0025
+            theta = torch.full((n,), -6.0)
+        else:  # "spread": rates log-uniform in [SPREAD[0], SPREAD[1]] (half-lives 0.7 to 139 steps), as Mamba
+            lo, hi = (math.log(r) for r in SPREAD)  # spreads its step sizes; one gate sits at the middle
+            rates = torch.exp(torch.linspace(lo, hi, n)) if n > 1 else torch.tensor([math.exp((lo + hi) / 2)])
+            theta = torch.log(torch.expm1(rates))  # softplus(theta) = rate
+        self.theta = torch.nn.Parameter(theta)
         self.out = torch.nn.Parameter(torch.ones(heads))
 
     def gates(self) -> torch.Tensor:
@@ -497,6 +513,7 @@ def train_learned_memory(
     lr: float = 0.05,
     task_kwargs: dict | None = None,
     rotation_seed: int = 1,
+    gate_init: str = "flat",
 ) -> dict:
     """Train a `LearnedMemory` with Adam on fresh rotated episodes and score it on held-out ones.
 
@@ -507,6 +524,7 @@ def train_learned_memory(
         lr: Adam's learning rate.
         task_kwargs: arguments of `make_task` (besides `seed`); the chapter's CPU task when None.
         rotation_seed: the rotation of the key basis (`rotate_keys`), fixed for training and evaluation.
+        gate_init: where the gates start (see `LearnedMemory`).
 
     Returns:
         A dict with the held-out `fact`, `recent` and `mean` errors (floats), the learned `gates` (list) and the
@@ -515,7 +533,7 @@ def train_learned_memory(
     kw = dict(batch=32, half=8, value_dim=8, n_facts=4, n_stream=124, recent=2, noise=0.5)
     kw.update(task_kwargs or {})
     torch.manual_seed(seed)
-    model = LearnedMemory(2 * kw["half"], heads, per_channel, seed)
+    model = LearnedMemory(2 * kw["half"], heads, per_channel, seed, gate_init)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     curve = []
     for step in range(steps):
@@ -529,4 +547,11 @@ def train_learned_memory(
     with torch.no_grad():
         held_out = rotate_keys(make_task(**{**kw, "batch": 4 * kw["batch"]}, seed=999), rotation_seed)
         fact, recent = (e.item() for e in model.errors(held_out))
-    return dict(fact=fact, recent=recent, mean=(fact + recent) / 2, gates=model.gates().tolist(), loss=curve)
+    return dict(
+        fact=fact,
+        recent=recent,
+        mean=(fact + recent) / 2,
+        gates=model.gates().tolist(),
+        initial_gates=LearnedMemory(2 * kw["half"], heads, per_channel, seed, gate_init).gates().tolist(),
+        loss=curve,
+    )

@@ -1,5 +1,8 @@
 """Chapter 5's two-timescale task, its equal-state baselines and its rotated-keys control."""
 
+import math
+
+import pytest
 import torch
 
 from kda_edu.chapters import ch05_two_timescales as tt
@@ -30,11 +33,37 @@ def test_rotation_leaves_a_scalar_gate_unchanged_and_moves_a_per_channel_one():
 def test_learned_memory_trains_and_reports():
     r = tt.train_learned_memory(1, True, seed=0, steps=3, task_kwargs=dict(batch=4, n_stream=20))
     assert (
-        set(r) == {"fact", "recent", "mean", "gates", "loss"}
+        set(r) == {"fact", "recent", "mean", "gates", "initial_gates", "loss"}
         and len(r["gates"]) == 16
         and len(r["loss"]) == 3
     )
     assert all(g <= 0 for g in r["gates"])
+    assert r["gates"] != r["initial_gates"]  # three Adam steps moved them
+
+
+@pytest.mark.parametrize("heads, per_channel", [(1, True), (2, False), (1, False)])
+def test_a_spread_start_covers_the_rates_log_uniformly(heads, per_channel):
+    """Spread: the rates -g run log-uniformly over SPREAD (16 channels, or 2 heads at its ends); one scalar
+    gate at the middle, the geometric mean. Flat: every gate at -softplus(-6)."""
+    lo, hi = tt.SPREAD
+    rates = -tt.LearnedMemory(16, heads, per_channel, seed=0, gate_init="spread").gates().detach().double()
+    if len(rates) == 1:
+        torch.testing.assert_close(
+            rates, torch.tensor([(lo * hi) ** 0.5], dtype=torch.float64), rtol=1e-5, atol=0
+        )
+    else:
+        torch.testing.assert_close(
+            rates[[0, -1]], torch.tensor([lo, hi], dtype=torch.float64), rtol=1e-5, atol=0
+        )
+        steps = rates.log().diff()
+        torch.testing.assert_close(steps, steps[:1].expand_as(steps), rtol=1e-4, atol=0)
+    flat = tt.LearnedMemory(16, heads, per_channel, seed=0).gates().detach()
+    torch.testing.assert_close(flat, torch.full_like(flat, -math.log1p(math.exp(-6.0))))
+
+
+def test_an_unknown_gate_start_is_refused():
+    with pytest.raises(ValueError, match="gate_init must be one of"):
+        tt.LearnedMemory(16, 1, True, seed=0, gate_init="mamba")
 
 
 def test_mix_halves_keeps_overlaps_and_spreads_keys_over_both_halves():

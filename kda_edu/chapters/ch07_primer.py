@@ -461,25 +461,52 @@ H100 = DeviceLimits("H100 SXM (sm_90)", sms=132, registers_per_sm=65536, max_reg
 T4 = DeviceLimits("T4 (sm_75)", sms=40, registers_per_sm=65536, max_registers_per_thread=255,
                   shared_per_sm=64 * KB, shared_per_block=64 * KB, reserved_shared_per_block=0,
                   max_warps_per_sm=32, max_blocks_per_sm=16, shared_unit=256)  # fmt: skip
-# Resident blocks per SM by compute capability (the one limit torch's device properties do not report).
-MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 9): 24, (9, 0): 32}
+# What torch's device properties do not report, by compute capability, from the same documentation: resident
+# blocks per SM, the driver's shared-memory reserve per block and the unit shared memory is given in.
+DOCUMENTED = {
+    (7, 0): dict(max_blocks_per_sm=32, reserved_shared_per_block=0, shared_unit=256),
+    (7, 5): dict(max_blocks_per_sm=16, reserved_shared_per_block=0, shared_unit=256),
+    (8, 0): dict(max_blocks_per_sm=32, reserved_shared_per_block=1 * KB, shared_unit=128),
+    (8, 6): dict(max_blocks_per_sm=16, reserved_shared_per_block=1 * KB, shared_unit=128),
+    (8, 7): dict(max_blocks_per_sm=16, reserved_shared_per_block=1 * KB, shared_unit=128),
+    (8, 9): dict(max_blocks_per_sm=24, reserved_shared_per_block=1 * KB, shared_unit=128),
+    (9, 0): dict(max_blocks_per_sm=32, reserved_shared_per_block=1 * KB, shared_unit=128),
+}
+MAX_REGISTERS_PER_THREAD = 255  # every compute capability from 3.5 on
 
 
 def device_limits(index: int = 0) -> DeviceLimits:
-    """The limits of CUDA device `index`, read from `torch.cuda.get_device_properties` where it reports them
-    (multiprocessors, registers, shared memory per block and per SM, threads per SM); the rest (registers per
-    thread, blocks per SM, the driver's reserve) from the compute capability's documented values."""
+    """The limits of CUDA device `index`, read from `torch.cuda.get_device_properties` (multiprocessors,
+    registers, shared memory per block and per SM, threads per SM); the rest (registers per thread, blocks per
+    SM, the driver's reserve, the allocation unit) from the compute capability's documented values
+    (`DOCUMENTED`). Raises ValueError rather than borrow another GPU's numbers: for a compute capability not
+    in `DOCUMENTED`, or a PyTorch too old to report a limit (build a `DeviceLimits` by hand then)."""
     props = torch.cuda.get_device_properties(index)
     cc = (props.major, props.minor)
-    base = H100 if cc >= (8, 0) else T4
-    return base._replace(
+    if cc not in DOCUMENTED:
+        known = ", ".join(f"{a}.{b}" for a, b in DOCUMENTED)
+        raise ValueError(f"device_limits knows compute capabilities {known}; {props.name} is {cc[0]}.{cc[1]}")
+    reported = {}
+    for field, attribute in (
+        ("registers_per_sm", "regs_per_multiprocessor"),
+        ("shared_per_sm", "shared_memory_per_multiprocessor"),
+        ("shared_per_block", "shared_memory_per_block_optin"),
+        ("max_threads", "max_threads_per_multi_processor"),
+    ):
+        if not hasattr(props, attribute):
+            raise ValueError(
+                f"this PyTorch does not report {attribute}; build a DeviceLimits for {props.name}"
+            )
+        reported[field] = getattr(props, attribute)
+    return DeviceLimits(
         name=f"{props.name} (sm_{props.major}{props.minor})",
         sms=props.multi_processor_count,
-        registers_per_sm=getattr(props, "regs_per_multiprocessor", base.registers_per_sm),
-        shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", base.shared_per_sm),
-        shared_per_block=getattr(props, "shared_memory_per_block_optin", base.shared_per_block),
-        max_warps_per_sm=getattr(props, "max_threads_per_multi_processor", 32 * base.max_warps_per_sm) // 32,
-        max_blocks_per_sm=MAX_BLOCKS_PER_SM.get(cc, min(MAX_BLOCKS_PER_SM.values())),
+        registers_per_sm=reported["registers_per_sm"],
+        max_registers_per_thread=MAX_REGISTERS_PER_THREAD,
+        shared_per_sm=reported["shared_per_sm"],
+        shared_per_block=reported["shared_per_block"],
+        max_warps_per_sm=reported["max_threads"] // 32,
+        **DOCUMENTED[cc],
     )
 
 

@@ -192,3 +192,47 @@ def test_occupancy_refuses_kernels_that_cannot_run():
         occupancy(64, 65 * 1024, 4, T4)
     with pytest.raises(ValueError, match="warps"):
         occupancy(32, 0, 33, T4)
+
+
+def _props(major, minor, **reported):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name="Some GPU", major=major, minor=minor, multi_processor_count=114, **reported)
+
+
+HOPPER_REPORTED = dict(
+    regs_per_multiprocessor=65536,
+    shared_memory_per_multiprocessor=233472,
+    shared_memory_per_block_optin=232448,
+    max_threads_per_multi_processor=2048,
+)
+
+
+def test_device_limits_reads_the_device_and_the_documented_table(monkeypatch):
+    """The reported limits come from the device (114 SMs: an H100 PCIe, not the SXM example's 132); the rest
+    from the compute capability's row; an unknown capability or an unreported limit is refused, never
+    borrowed from another GPU."""
+    from kda_edu.chapters import ch07_primer as primer
+
+    monkeypatch.setattr(primer.torch.cuda, "get_device_properties", lambda i: _props(9, 0, **HOPPER_REPORTED))
+    limits = primer.device_limits()
+    assert (limits.sms, limits.shared_per_sm, limits.max_warps_per_sm) == (114, 233472, 64)
+    assert (limits.max_blocks_per_sm, limits.reserved_shared_per_block) == (32, 1024)
+    assert primer.occupancy(96, 123136, 4, limits).limit == "shared memory"
+
+    monkeypatch.setattr(
+        primer.torch.cuda, "get_device_properties", lambda i: _props(12, 0, **HOPPER_REPORTED)
+    )
+    with pytest.raises(ValueError, match="is 12.0"):
+        primer.device_limits()
+    partial = {k: v for k, v in HOPPER_REPORTED.items() if k != "regs_per_multiprocessor"}
+    monkeypatch.setattr(primer.torch.cuda, "get_device_properties", lambda i: _props(9, 0, **partial))
+    with pytest.raises(ValueError, match="regs_per_multiprocessor"):
+        primer.device_limits()
+
+
+def test_the_cpu_examples_follow_the_documented_table():
+    from kda_edu.chapters.ch07_primer import DOCUMENTED, H100, T4
+
+    for example, cc in ((H100, (9, 0)), (T4, (7, 5))):
+        assert {k: getattr(example, k) for k in DOCUMENTED[cc]} == DOCUMENTED[cc]

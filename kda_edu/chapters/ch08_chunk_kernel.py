@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda_edu.chapters.ch07_primer import H100
 from kda_edu.chapters.ch08_chunk_v0 import v0_forward
 from kda_edu.kernels import chunk_fwd
 from kda_edu.kernels._backend import jit
@@ -678,8 +679,8 @@ def plot_rates(axes, bench: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # The H200: which instructions the compiler picks
 
-# 132 multiprocessors; at most 227 kB of shared memory per program (block).
-H200 = dict(sms=132, shared_per_block=227 * 1024)
+# At most 227 kB of shared memory per program (block) on every sm_90 GPU (H100, H200): chapter 7's limits.
+SM90_SHARED_PER_BLOCK = H100.shared_per_block
 
 
 @jit

@@ -4,6 +4,8 @@ import pytest
 
 from kda_edu.exercises import WrongAnswer
 
+LONGEST = 110  # characters of a verdict, "Correct! " included: one line of the page
+
 
 def checker_tests(cases):
     """Both tests, parametrised over `(check, solution, wrong)` triples; assign them to module-level names."""
@@ -13,7 +15,9 @@ def checker_tests(cases):
 
     @parametrize
     def test_solution_passes(check, solution, wrong):
-        assert check(solution).startswith("Correct!")
+        verdict = check(solution)
+        assert verdict.startswith("Correct!")
+        assert "\n" not in verdict and len(verdict) <= LONGEST, verdict  # one short line on the page
 
     @parametrize
     def test_wrong_answer_is_rejected(check, solution, wrong):

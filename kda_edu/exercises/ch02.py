@@ -129,8 +129,7 @@ def check_best_state(fn) -> str:
         f"{(n - d_k) / n:.3f}",
     )
     return passed(
-        f"Least squares: exact up to n = d_k, then (n - d_k) / n ({pooled:.3f} measured at n = 3 d_k): "
-        "no state of this size can do better, whatever rule writes it."
+        f"exact up to n = d_k, then (n - d_k) / n ({pooled:.3f} at n = 3 d_k): no state does better."
     )
 
 

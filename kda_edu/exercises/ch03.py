@@ -125,6 +125,5 @@ def check_weight_decay_step(step) -> str:
             "Hint: what is the gradient of lam/2 |S|_F^2 = lam/2 sum_ij S_ij^2 with respect to S?",
         )
     return passed(
-        "Weight decay gives ((1 - beta lam) I - beta k k^T) S + beta k v^T: a shrink by 1 - beta lam beside the "
-        "erase. Gated DeltaNet (chapter 4) decays first, a (I - beta k k^T) S, so its decay also scales the erase."
+        "((1 - beta lam) I - beta k k^T) S + beta k v^T: a shrink by 1 - beta lam beside the erase."
     )

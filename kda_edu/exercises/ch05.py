@@ -32,8 +32,7 @@ def check_dplr_vectors(fn) -> str:
         answer = fn(k, g, beta)
         if answer is None:
             return not_answered(
-                "write dplr_vectors(k, g, beta), returning (d, a, b) with "
-                "Diag(d) - a b^T = (I - beta k k^T) Diag(exp(g))."
+                "write dplr_vectors(k, g, beta): Diag(d) - a b^T = (I - beta k k^T) Diag(exp(g))."
             )
         d, a, b = (torch.as_tensor(x, dtype=torch.float64) for x in answer)
         expect(

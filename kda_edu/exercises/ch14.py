@@ -131,7 +131,4 @@ def check_bias_update(fn) -> str:
             f"gave {got.tolist()}. Hint: an overloaded expert's bias goes down by the rate, an underloaded "
             "one's up, by a fixed step whatever the size of the gap.",
         )
-    return passed(
-        "No loss term, so no gradient pulls against the language model; only the sign of each expert's "
-        "excess load matters, never its size."
-    )
+    return passed("no loss term pulls against the language model; only the sign of each excess load counts.")

@@ -265,12 +265,14 @@ def solution_chunked_delta_rule(
 
 
 def _delta_rule_loop(q, k, v, beta):
-    """The recurrence itself, one step at a time, in float64: the checker's reference."""
-    S, rows = q.new_zeros(k.shape[1], v.shape[1]), []
-    for t in range(q.shape[0]):
-        S = S + beta[t] * torch.outer(k[t], v[t] - S.T @ k[t])
-        rows.append(S.T @ q[t])
-    return torch.stack(rows), S
+    """The checker's reference, the package's loop (`delta_rule_recurrent`) for one head, unscaled, called
+    outside `_NoLibrary`: `(o [T, V], S_T [K, V])`."""
+    from kda_edu.ops.delta_rule import delta_rule_recurrent
+
+    o, S = delta_rule_recurrent(
+        *(x[None, :, None] for x in (q, k, v, beta)), scale=1.0, output_final_state=True
+    )
+    return o[0, :, 0], S[0, 0]
 
 
 class _NoLibrary:

@@ -107,7 +107,11 @@ def test_block_exercise_rejects_the_shortcuts(shortcut, message):
 
 def _token_loop(q, k, v, beta, C):
     # right, but one step per token: C plays no part
-    return ch06._delta_rule_loop(q, k, v, beta)
+    S, rows = q.new_zeros(k.shape[1], v.shape[1]), []
+    for t in range(q.shape[0]):
+        S = S + beta[t] * torch.outer(k[t], v[t] - S.T @ k[t])
+        rows.append(S.T @ q[t])
+    return torch.stack(rows), S
 
 
 def _calls_the_library(q, k, v, beta, C):

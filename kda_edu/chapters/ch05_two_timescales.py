@@ -466,12 +466,13 @@ class LearnedMemory(torch.nn.Module):
         self.heads, self.per_channel = heads, per_channel
         self.W = torch.nn.Parameter(torch.linalg.qr(torch.randn(K, K, generator=gen))[0])
         n = K if per_channel else heads
-        if (
-            gate_init == "flat"
-        ):  # every gate in softplus's flat tail: g about -0.0025, gradients scaled by 0.0025
+        # "flat": every gate in softplus's flat tail, g about -0.0025, its gradient scaled by 0.0025. "spread":
+        # rates log-uniform over SPREAD (half-lives 0.7 to 139 steps), as Mamba spreads its step sizes; a
+        # single gate sits at the middle.
+        lo, hi = (math.log(r) for r in SPREAD)
+        if gate_init == "flat":
             theta = torch.full((n,), -6.0)
-        else:  # "spread": rates log-uniform in [SPREAD[0], SPREAD[1]] (half-lives 0.7 to 139 steps), as Mamba
-            lo, hi = (math.log(r) for r in SPREAD)  # spreads its step sizes; one gate sits at the middle
+        else:
             rates = torch.exp(torch.linspace(lo, hi, n)) if n > 1 else torch.tensor([math.exp((lo + hi) / 2)])
             theta = torch.log(torch.expm1(rates))  # softplus(theta) = rate
         self.theta = torch.nn.Parameter(theta)
@@ -534,6 +535,7 @@ def train_learned_memory(
     kw.update(task_kwargs or {})
     torch.manual_seed(seed)
     model = LearnedMemory(2 * kw["half"], heads, per_channel, seed, gate_init)
+    initial_gates = model.gates().tolist()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     curve = []
     for step in range(steps):
@@ -552,6 +554,6 @@ def train_learned_memory(
         recent=recent,
         mean=(fact + recent) / 2,
         gates=model.gates().tolist(),
-        initial_gates=LearnedMemory(2 * kw["half"], heads, per_channel, seed, gate_init).gates().tolist(),
+        initial_gates=initial_gates,
         loss=curve,
     )

@@ -91,15 +91,23 @@ def kda_inputs(
     return x
 
 
-def interleaved(fns: dict, repeats: int = 3, warmup: int = 25, rep: int = 200) -> dict:
+def interleaved(fns: dict, repeats: int = 3, warmup: int = 25, rep: int = 200, graphs: bool = False) -> dict:
     """Median over `repeats` rounds of each function's `triton.testing.do_bench` median, the functions
-    taking turns in every round, so that a drift of the GPU's clock or temperature hits all of them alike."""
-    from triton.testing import do_bench
+    taking turns in every round, so that a drift of the GPU's clock or temperature hits all of them alike.
+
+    With `graphs`, each function is captured in a CUDA graph and replayed (`do_bench_cudagraph`): the
+    time is the GPU's alone, without the host's launch cost, as a server replays its decoding step."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    def bench(fn):
+        if graphs:
+            return do_bench_cudagraph(fn, rep=rep, return_mode="median")
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            times[name].append(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+            times[name].append(bench(fn))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -16,7 +16,10 @@ Cases (the `case` field of a row):
                   one training step of the KDA layer (hidden 2048, 16 heads of 128) against fla's
                   `KimiDeltaAttention` with the same weights (bench.kernels.bench_kda_layer), peak memory beside;
   "decode"        one decoding step at (B, H) = (64, 32) and (1, 32) against the floor: twice the fp32
-                  state's bytes over the copy bandwidth measured in this run;
+                  state's bytes over the copy bandwidth measured in this run. `kda_edu ms` and `fla ms` replay
+                  the step in a CUDA graph (as a server does; at B = 1 the 2 MiB state may stay in L2);
+                  the `eager` times launch it from Python each time, and `host us` is the wall time per
+                  call of back-to-back calls, the host's cost when the GPU's part is shorter;
   "bf16 error"    the relative error of the bf16 output against a float64 loop on the same rounded inputs,
                   ours and fla's, at BF16_SHAPES.
 
@@ -26,6 +29,7 @@ Cases (the `case` field of a row):
 import argparse
 import functools
 import os
+import time
 
 import torch
 
@@ -142,23 +146,37 @@ def layer_rows(B: int = 1, T: int = 8192) -> list:
     return rows
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """Microseconds of wall time per call over `calls` back-to-back calls, one sync at the end: when the
+    GPU's work is shorter than the launch, this is the host's cost of a call (checks, launch)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def decode_row(B: int, H: int, bandwidth: float) -> dict:
     from fla.ops.kda import fused_recurrent_kda as fla_fused
 
     q, k, v, g, beta, h0 = decode_inputs(B, H, H, 128, 128, torch.bfloat16)
     state = h0.clone()
-    t = interleaved(
-        {
-            "kda_edu": lambda: fused_recurrent_kda(
-                q, k, v, g, beta, initial_state=state, inplace_final_state=True
-            ),
-            "fla": lambda: fla_fused(q, k, v, g, beta, initial_state=h0, output_final_state=True),
-        }
-    )
+    fns = {
+        "kda_edu": lambda: fused_recurrent_kda(
+            q, k, v, g, beta, initial_state=state, inplace_final_state=True
+        ),
+        "fla": lambda: fla_fused(q, k, v, g, beta, initial_state=h0, output_final_state=True),
+    }
+    graph = interleaved(fns, graphs=True)
+    eager = interleaved(fns)
     floor_ms = 2 * h0.numel() * 4 / bandwidth * 1e3
     return dict(
         case="decode", B=B, T=1, H=H,
-        **{"kda_edu ms": t["kda_edu"], "fla ms": t["fla"], "floor ms": floor_ms,
+        **{"kda_edu ms": graph["kda_edu"], "fla ms": graph["fla"], "floor ms": floor_ms,
+           "kda_edu eager ms": eager["kda_edu"], "fla eager ms": eager["fla"],
+           "kda_edu host us": host_us(fns["kda_edu"]), "fla host us": host_us(fns["fla"]),
            "copy bandwidth GB/s": bandwidth / 1e9},
     )  # fmt: skip
 

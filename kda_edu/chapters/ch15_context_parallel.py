@@ -135,7 +135,8 @@ def shard_case(rank: int, world: int, case: dict) -> dict:
     """One rank's part of a context-parallel run (for `run_gloo`): slice the shard, run, backpropagate.
 
     `case` holds the whole inputs (`q, k, v, g, beta`, optional `initial_state`, `cu_seqlens`), `lengths`
-    (tokens per rank), `scheme`, `kernel` (`"reference"` or `"chunk_kda"`), and optionally `do` and `dfinal`
+    (tokens per rank), `scheme`, `kernel` (`"reference"` or `"chunk_kda"`), optionally `chunk_size` (of the
+    `"one_pass"` scheme's chunked pass), and optionally `do` and `dfinal`
     (then the result has the gradients of `<o, do> + <final, dfinal>`) and `repeats` (then it has the median
     wall time of that many forward calls, after one warm-up, in `seconds`).
     """
@@ -150,6 +151,7 @@ def shard_case(rank: int, world: int, case: dict) -> dict:
     run = lambda: context_parallel_kda(  # noqa: E731
         *(shard[n] for n in names), initial_state=h0, output_final_state=True,
         cu_seqlens=case.get("cu_seqlens"), scheme=case["scheme"], kernel=kernel,
+        chunk_size=case.get("chunk_size", 64),
     )  # fmt: skip
     out = {}
     if case.get("repeats"):

@@ -207,7 +207,7 @@ CASES_3 = [
 ]
 
 
-def run_cases(world, cases):
+def run_cases(world, cases, worker=shard_cases, *extra):
     wholes = [
         make_case(*sizes, dtype, seed, cu, with_state)
         for seed, (_, sizes, cu, _, _, _, dtype, with_state) in enumerate(cases)
@@ -216,7 +216,10 @@ def run_cases(world, cases):
         dict(whole, lengths=lengths, scheme=scheme, kernel=kernel, chunk_size=4)
         for whole, (_, _, _, lengths, scheme, kernel, _, _) in zip(wholes, cases, strict=True)
     ]
-    per_rank = run_gloo(shard_cases, world, jobs)
+    per_rank = run_gloo(worker, world, jobs, *extra)
+    if worker is not shard_cases:  # cases_and_counts: (shard_cases, counts) per rank
+        per_rank, counts = zip(*per_rank, strict=True)
+        return wholes, [gather_case([r[i] for r in per_rank]) for i in range(len(cases))], counts
     return wholes, [gather_case([r[i] for r in per_rank]) for i in range(len(cases))]
 
 
@@ -235,9 +238,12 @@ def two_ranks():
     return run_cases(2, CASES_2)
 
 
+COUNT_CASE = dict(make_case(1, 24, 1, 1, 4, 4, F64, seed=9, with_state=False), lengths=[8, 8, 8])
+
+
 @pytest.fixture(scope="module")
 def three_ranks():
-    return run_cases(3, CASES_3)
+    return run_cases(3, CASES_3, cases_and_counts, COUNT_CASE)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +259,7 @@ def test_two_ranks_match_one_device(two_ranks, i):
 
 @pytest.mark.parametrize("i", range(len(CASES_3)), ids=[c[0] for c in CASES_3])
 def test_three_ranks_match_one_device(three_ranks, i):
-    wholes, results = three_ranks
+    wholes, results, _ = three_ranks
     check_case(wholes[i], results[i], CASES_3[i])
 
 
@@ -353,9 +359,10 @@ def test_batched_folds_equal_the_rank_by_rank_folds(R):
         assert rel(grads[r], want) <= 1e-12 or r == R - 1 and grads[r].abs().max() == 0
 
 
-def count_intra_chunk_passes(rank: int, world: int, case: dict) -> dict:
-    """One rank of `test_one_pass_runs_each_shard_once` (for `run_gloo`): count `kda_intra_chunk` calls in
-    a forward of each scheme and in the backward of one_pass."""
+def cases_and_counts(rank: int, world: int, cases: list[dict], case: dict) -> tuple[list[dict], dict]:
+    """`shard_cases`, then one rank of `test_one_pass_runs_each_shard_once` (for `run_gloo`): count
+    `kda_intra_chunk` calls in a forward of each scheme and in the backward of one_pass."""
+    results = shard_cases(rank, world, cases)
     calls = []
     original = cp.kda_intra_chunk
 
@@ -377,15 +384,15 @@ def count_intra_chunk_passes(rank: int, world: int, case: dict) -> dict:
     calls.clear()
     o.sum().backward()
     counts["one_pass backward"] = len(calls)
-    return counts
+    cp.kda_intra_chunk = kda_ops.kda_intra_chunk = original
+    return results, counts
 
 
-def test_one_pass_runs_each_shard_once():
+def test_one_pass_runs_each_shard_once(three_ranks):
     """The intra-chunk pass runs once per rank in one_pass's forward (and once more in its backward, the
     recomputation); the scan runs it twice on the ranks that send a map, which shows the count can see a
     second pass."""
-    case = make_case(1, 24, 1, 1, 4, 4, torch.float64, seed=9, with_state=False)
-    counts = run_gloo(count_intra_chunk_passes, 3, dict(case, lengths=[8, 8, 8]))
+    counts = three_ranks[2]
     assert [c["one_pass"] for c in counts] == [1, 1, 1]
     assert [c["scan"] for c in counts] == [2, 2, 1]
     assert [c["one_pass backward"] for c in counts] == [1, 1, 1]

@@ -369,7 +369,8 @@ def affine_scan(M: torch.Tensor, B: torch.Tensor | None = None) -> tuple[torch.T
     Hillis-Steele scan: at step d = 1, 2, 4, ... element r >= d takes in element r - d, which by then covers
     the d maps before it. Each step is one batched matrix product over the stacked `[R, ..., K, K + V]`
     tensor (M and B side by side), an add and a concatenation: a fixed number of launches per step, where
-    a loop over the ranks launches one product per rank. It does R log R small products instead of R.
+    a loop launches one product per element. It does about R log2 R compositions instead of R; for one
+    prefix alone, `affine_reduce` does R.
 
     Args:
         M: `[R, ..., K, K]`. B: `[R, ..., K, V]` or None.
@@ -390,19 +391,49 @@ def affine_scan(M: torch.Tensor, B: torch.Tensor | None = None) -> tuple[torch.T
     return X[..., :K], (None if B is None else X[..., K:])
 
 
-def fold_maps_batched(M: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """The state entering every rank, `[R, ..., K, V]`, from the stacked maps `M [R, ..., K, K]`,
-    `B [R, ..., K, V]`: zero for rank 0, then the prefixes of `affine_scan` shifted by one (`fold_maps` of
-    each rank, in ceil(log2 R) batched steps)."""
-    states = affine_scan(M, B)[1]
-    return torch.cat([torch.zeros_like(states[:1]), states[:-1]])
+def affine_reduce(M: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The composition of all the maps along dim 0, `(M_{R-1} ... M_0, B'_{R-1})`, in ceil(log2 R) batched
+    steps and R - 1 compositions in all.
+
+    A tree: at each level the maps pair up, `(M_{2i+1}, B_{2i+1}) o (M_{2i}, B_{2i})`, as one batched product
+    of the `[R / 2, ..., K, K]` odd maps by the `[R / 2, ..., K, K + V]` even ones (an odd one out moves up
+    as it is). Where `affine_scan` gives every prefix at R log R compositions, a rank needs one prefix:
+    this does the loop's work, about twice its products (each composition is K x K by K x (K + V), the loop's
+    step K x K by K x V), in log-depth launches.
+
+    Args:
+        M: `[R, ..., K, K]`, R >= 1. B: `[R, ..., K, V]`.
+    """
+    if B.shape[:-1] != M.shape[:-1] or M.shape[0] < 1:
+        raise ValueError(
+            f"M [R, ..., K, K] and B [R, ..., K, V] must match, R >= 1: {tuple(M.shape)}, {tuple(B.shape)}"
+        )
+    K = M.shape[-1]
+    X = torch.cat([M, B], dim=-1)
+    while X.shape[0] > 1:
+        pairs = X.shape[0] // 2
+        later, earlier = X[1 : 2 * pairs : 2], X[0 : 2 * pairs : 2]
+        up = later[..., :K] @ earlier
+        up[..., K:] += later[..., K:]
+        X = torch.cat([up, X[2 * pairs :]]) if X.shape[0] % 2 else up
+    return X[0, ..., :K], X[0, ..., K:]
 
 
-def fold_grads_batched(M: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """The gradient of the state leaving every rank, `[R, ..., K, V]` (`fold_grads` of each rank): the same
-    scan from the last rank back, with the maps transposed, and zero for the last rank."""
-    D = affine_scan(M.flip(0).transpose(-1, -2), G.flip(0))[1].flip(0)  # D_r = M_r^T D_{r+1} + G_r
-    return torch.cat([D[1:], torch.zeros_like(D[:1])])
+def fold_maps_batched(M: torch.Tensor, B: torch.Tensor, upto: int) -> torch.Tensor:
+    """`fold_maps` on the stacked maps `M [R, ..., K, K]`, `B [R, ..., K, V]`: the state entering rank `upto`,
+    by `affine_reduce` of the first `upto` maps (zero for rank 0)."""
+    if upto == 0:
+        return torch.zeros_like(B[0])
+    return affine_reduce(M[:upto], B[:upto])[1]
+
+
+def fold_grads_batched(M: torch.Tensor, G: torch.Tensor, after: int) -> torch.Tensor:
+    """`fold_grads` on the stacked `M [R, ..., K, K]` and `G [R, ..., K, V]`: the gradient of the state
+    leaving rank `after`, the same reduction from the last rank back with the maps transposed
+    (`dS_in_r = M_r^T dS_out_r + G_r`; zero for the last rank)."""
+    if after == G.shape[0] - 1:
+        return torch.zeros_like(G[0])
+    return affine_reduce(M[after + 1 :].flip(0).transpose(-1, -2), G[after + 1 :].flip(0))[1]
 
 
 class ContextParallelKDA(torch.autograd.Function):
@@ -515,7 +546,7 @@ class OnePassKDA(torch.autograd.Function):
         shard = one_pass_shard(inputs, h0, layout, scale, chunk_size)
         M, B = one_pass_map(shard, layout)
         Ms, Bs = (torch.stack(_all_gather(x, group)) for x in (M, B))
-        carry = fold_maps_batched(Ms, Bs)[layout.rank]
+        carry = fold_maps_batched(Ms, Bs, layout.rank)
         o, ht = corrected(shard, carry, layout)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, carry, Ms, shard.M, shard.R)
         ctx.layout, ctx.scale, ctx.chunk_size, ctx.group = layout, scale, chunk_size, group
@@ -536,7 +567,7 @@ class OnePassKDA(torch.autograd.Function):
             G = torch.einsum("cthk,cthv->chkv", R_in, do_in) + M_in.transpose(-1, -2) @ dht[rows_in]
         Gs = torch.stack(_all_gather(G, group))  # every rank takes part in the collective
         if layout.gives_out:
-            dht[list(layout.out_rows)] = fold_grads_batched(Ms, Gs)[layout.rank]
+            dht[list(layout.out_rows)] = fold_grads_batched(Ms, Gs, layout.rank)
         with torch.enable_grad():
             xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
             zero = torch.zeros_like(carry)

@@ -348,15 +348,23 @@ def test_one_pass_shard_gives_the_same_map_as_shard_map():
 
 @pytest.mark.parametrize("R", range(1, 10))
 def test_batched_folds_equal_the_rank_by_rank_folds(R):
+    """Every rank's state and outgoing gradient from the log-depth reduction equal the loops' (odd and
+    even R, so the tree's odd one out is exercised), and the scan's prefixes are the loop's states."""
     gen = torch.Generator().manual_seed(R)
     M = 0.6 * torch.randn(R, 3, 4, 4, generator=gen, dtype=torch.float64)
     B, G = (torch.randn(R, 3, 4, 2, generator=gen, dtype=torch.float64) for _ in "BG")
-    states, grads = fold_maps_batched(M, B), fold_grads_batched(M, G)
     maps = list(zip(M, B, strict=True))
+    for r in range(R + 1):
+        state = fold_maps_batched(M, B, r)
+        assert rel(state, fold_maps(maps, r)) <= 1e-12 if r else state.abs().max() == 0
     for r in range(R):
-        assert rel(states[r], fold_maps(maps, r)) <= 1e-12 or r == 0 and states[0].abs().max() == 0
-        want = fold_grads(list(M), list(G), r)
-        assert rel(grads[r], want) <= 1e-12 or r == R - 1 and grads[r].abs().max() == 0
+        grad = fold_grads_batched(M, G, r)
+        assert rel(grad, fold_grads(list(M), list(G), r)) <= 1e-12 if r < R - 1 else grad.abs().max() == 0
+    products, states = cp.affine_scan(M, B)
+    product = torch.eye(4, dtype=torch.float64)
+    for r in range(R):
+        product = M[r] @ product
+        assert rel(states[r], fold_maps(maps, r + 1)) <= 1e-12 and rel(products[r], product) <= 1e-12
 
 
 def cases_and_counts(rank: int, world: int, cases: list[dict], case: dict) -> tuple[list[dict], dict]:

@@ -1,5 +1,6 @@
 """Chapter 15's tools around context parallelism: a model of prefill time against the number of ranks (KDA
-layers alone, and a whole KDA:MLA stack), and a harness that runs gloo processes on one machine (the chapter's demonstrations and the tests).
+layers alone, and a whole KDA:MLA stack), and a harness that runs gloo processes on one machine (the
+chapter's demonstrations and the tests).
 
 The algorithm itself is `kda_edu.parallel.context_parallel`.
 """

@@ -526,8 +526,8 @@ class OnePassKDA(torch.autograd.Function):
     """The `"one_pass"` scheme on one rank (call `context_parallel_kda`, not this class).
 
     Forward: run the shard once from a zero carry (`one_pass_shard`: outputs, piece states, and the carry's
-    transition M and read-out R), all-gather the maps `(M, B)`, fold them in a log-depth tree of batched products
-    (`fold_maps_batched`), and correct the outputs and states with the incoming state S_in:
+    transition M and read-out R), all-gather the maps `(M, B)`, fold them in a log-depth tree of batched
+    products (`fold_maps_batched`), and correct the outputs and states with the incoming state S_in:
     `o + R S_in`, `ht + M S_in`.
 
     Backward: the incoming state's gradient from this shard's own outputs needs no backward pass,

@@ -34,7 +34,8 @@ MODES = ("mha", "mqa")
 
 
 def zigzag_pieces(T: int, world: int) -> list[tuple[int, int]]:
-    """The 2R pieces `[a, b)` of a sequence of T tokens, in order; the first `T mod 2R` have one token more."""
+    """The 2R pieces `[a, b)` of a sequence of T tokens, in order; the first `T mod 2R` have one token
+    more."""
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
     if not isinstance(T, int) or T < 2 * world:

@@ -1,14 +1,14 @@
 """Context-parallel KDA on gloo processes against one device.
 
 Three sets of processes run every distributed case (starting processes costs seconds): 2, 3 and 4 ranks,
-through `torch.multiprocessing` spawn. The `"one_pass"` cases run its chunked pass with chunks of 4 tokens,
-so that shards span several chunks and end inside one. The target is float64 autograd through the KDA loop (`kda_recurrent`,
-per sequence with cu_seqlens) on the whole sequence, i.e. the exact answer: with the float64 reference kernel
-on each shard the relative error bound is 1e-10 (rounding is about 1e-15; a wrong carry or a missing gradient
-path is of order 1). One small case runs `chunk_kda` through Triton's interpreter in float32 and is held to
-the same bound the kernel's own tests use, relative error <= 1e-5, against both the float64 loop and
-single-device `chunk_kda`. Compared: outputs, final states and the gradients of q, k, v, g, beta and the
-initial state.
+through `torch.multiprocessing` spawn. The `"one_pass"` cases run its chunked pass with chunks of 4 tokens, so
+that shards span several chunks and end inside one. The target is float64 autograd through the KDA loop
+(`kda_recurrent`, per sequence with cu_seqlens) on the whole sequence, i.e. the exact answer: with the float64
+reference kernel on each shard the relative error bound is 1e-10 (rounding is about 1e-15; a wrong carry or a
+missing gradient path is of order 1). One small case runs `chunk_kda` through Triton's interpreter in float32
+and is held to the same bound the kernel's own tests use, relative error <= 1e-5, against both the float64
+loop and single-device `chunk_kda`. Compared: outputs, final states and the gradients of q, k, v, g, beta and
+the initial state.
 """
 
 import pytest

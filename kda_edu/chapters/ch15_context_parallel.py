@@ -1,5 +1,6 @@
-"""Chapter 15's tools around context parallelism: a model of prefill time against the number of ranks, and
-a harness that runs gloo processes on one machine (the chapter's demonstrations and the tests).
+"""Chapter 15's tools around context parallelism: a model of prefill time against the number of ranks (KDA
+layers alone, and a whole KDA:MLA stack), and a harness that runs gloo processes on one machine (the
+chapter's demonstrations and the tests).
 
 The algorithm itself is `kda_edu.parallel.context_parallel`.
 """
@@ -20,6 +21,7 @@ from kda_edu.parallel.context_parallel import (
     default_kernel,
     reference_kernel,
 )
+from kda_edu.parallel.context_parallel_mla import mla_exchange_bytes
 
 # ---------------------------------------------------------------------------------------------------------
 # A model of prefill time against the number of ranks
@@ -74,6 +76,83 @@ def prefill_seconds(
     else:
         compute, comm = layers * (map_s + combine_s + shard_s), layers * (n - 1) * hop
     return {"compute": compute, "communication": comm, "total": compute + comm}
+
+
+@dataclass(frozen=True)
+class RankCosts:
+    """Seconds one rank spends on one layer at its share of the sequence (T / n tokens), measured or assumed.
+
+    Attributes:
+        kda_pass: the KDA shard's one chunked pass with the carry's maps (the `"one_pass"` scheme).
+        kda_fold: folding the n gathered maps into the incoming state.
+        kda_correct: correcting the outputs with it, `o + R S_in`.
+        mla: the MLA layer on the rank's zigzag shard: projections and attention over the gathered cache
+            (about `T^2 / (2 n)` query-key pairs: it grows with T at a fixed n where the KDA terms stay
+            linear).
+    """
+
+    kda_pass: float
+    kda_fold: float
+    kda_correct: float
+    mla: float
+
+
+def hybrid_stack_seconds(
+    n: int,
+    costs: RankCosts,
+    link: Link,
+    *,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    cache_width: int,
+    layers: int,
+    kda_per_mla: int = 3,
+    cache_bytes_per_number: int = 2,
+) -> dict:
+    """Modelled forward time of one rank in a KDA:MLA hybrid stack over n ranks, compute and communication.
+
+    The stack has `layers` layers in groups of `kda_per_mla` KDA layers and one MLA layer (Kimi Linear's
+    3:1). Per KDA layer, the one_pass scheme: `kda_pass + kda_fold + kda_correct`, and a ring all-gather of
+    the n maps, n - 1 messages of `boundary_bytes("one_pass", H, K, V)` (float32). Per MLA layer: `mla`, and
+    a ring all-gather of the latent rows, n - 1 messages carrying `mla_exchange_bytes(T, n, cache_width)`
+    bytes in all (`cache_bytes_per_number` per number: the cache's dtype). A message of m bytes costs
+    `latency + m / bandwidth`. The ranks run in lockstep (zigzag balances MLA's causal work; KDA's shards
+    are equal), so one rank's time is the stack's.
+
+    Returns `{"kda": {...}, "mla": {...}, "compute", "communication", "total", "bytes"}`: per kind the
+    seconds of all its layers (`compute`, `communication`) and `bytes` sent per rank over the stack.
+    """
+    if layers < 1 or layers % (kda_per_mla + 1):
+        raise ValueError(
+            f"layers must be a positive multiple of kda_per_mla + 1 = {kda_per_mla + 1}, got {layers}"
+        )
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    n_mla = layers // (kda_per_mla + 1)
+    n_kda = layers - n_mla
+    kda_bytes = (n - 1) * boundary_bytes("one_pass", H, K, V)
+    mla_bytes = mla_exchange_bytes(T, n, cache_width, bytes_per_number=cache_bytes_per_number, backward=False)
+    mla_bytes = mla_bytes["forward"]
+    kda = {
+        "compute": n_kda * (costs.kda_pass + (costs.kda_fold + costs.kda_correct if n > 1 else 0.0)),
+        "communication": n_kda * ((n - 1) * link.latency + kda_bytes / link.bandwidth),
+    }
+    mla = {
+        "compute": n_mla * costs.mla,
+        "communication": n_mla * ((n - 1) * link.latency + mla_bytes / link.bandwidth),
+    }
+    compute = kda["compute"] + mla["compute"]
+    comm = kda["communication"] + mla["communication"]
+    return {
+        "kda": kda,
+        "mla": mla,
+        "compute": compute,
+        "communication": comm,
+        "total": compute + comm,
+        "bytes": n_kda * kda_bytes + n_mla * mla_bytes,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,7 +214,8 @@ def shard_case(rank: int, world: int, case: dict) -> dict:
     """One rank's part of a context-parallel run (for `run_gloo`): slice the shard, run, backpropagate.
 
     `case` holds the whole inputs (`q, k, v, g, beta`, optional `initial_state`, `cu_seqlens`), `lengths`
-    (tokens per rank), `scheme`, `kernel` (`"reference"` or `"chunk_kda"`), and optionally `do` and `dfinal`
+    (tokens per rank), `scheme`, `kernel` (`"reference"` or `"chunk_kda"`), optionally `chunk_size` (of the
+    `"one_pass"` scheme's chunked pass), and optionally `do` and `dfinal`
     (then the result has the gradients of `<o, do> + <final, dfinal>`) and `repeats` (then it has the median
     wall time of that many forward calls, after one warm-up, in `seconds`).
     """
@@ -150,6 +230,7 @@ def shard_case(rank: int, world: int, case: dict) -> dict:
     run = lambda: context_parallel_kda(  # noqa: E731
         *(shard[n] for n in names), initial_state=h0, output_final_state=True,
         cu_seqlens=case.get("cu_seqlens"), scheme=case["scheme"], kernel=kernel,
+        chunk_size=case.get("chunk_size", 64),
     )  # fmt: skip
     out = {}
     if case.get("repeats"):

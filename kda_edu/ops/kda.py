@@ -195,7 +195,6 @@ def kda_chunked(
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state)
     # [B, HV, NC, C, *]; gates raised to GATE_FLOOR and gc summed in float64 within each chunk (docstring)
     q, k, v_c, _, gc, beta = chunk_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True)
-    C, dtype = q.shape[3], q.dtype
     # A step with a non-finite key or value runs as a zero step; the outputs from it on are set to NaN
     # afterwards, and so is the final state. A non-finite query reads as zero and its own output is set to
     # NaN. Multiplying by the zeros of the causal masks would instead spread a NaN to the earlier steps of
@@ -205,34 +204,45 @@ def kda_chunked(
     k, v_c = (torch.where(bad[..., None], 0.0, x) for x in (k, v_c))
     q = torch.where(bad_q[..., None], 0.0, q)
     spoilt = bad.flatten(-2).cumsum(dim=-1).unflatten(-1, bad.shape[-2:]) > 0  # from the first bad step on
-    i = torch.arange(C, device=q.device)
-    eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
-
-    # Independent of the state (a kernel does this for all chunks in parallel; here one chunk at a time bounds
-    # the memory of the decayed scores): the scores, the UT transform (I + A)^-1 Diag(beta) as a triangular
-    # solve, and from it u and w.
-    Aqk, w, u = [], [], []
-    for n in range(q.shape[2]):  # the NC chunks
-        q_n, k_n, v_n, beta_n, gc_n = (
-            q[:, :, n],
-            k[:, :, n],
-            v_c[:, :, n],
-            beta[:, :, n, :, None],
-            gc[:, :, n],
-        )
-        Akk, Aqk_n = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc_n)  # x = k for A, x = q for Aqk
-        L = eye + beta_n * Akk.masked_fill(not_below, 0)  # I + A, A strictly lower triangular
-        decay_in = gc_n.exp().to(dtype)  # from the chunk start, <= 1
-        Aqk.append(Aqk_n)
-        u.append(torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True))
-        w.append(torch.linalg.solve_triangular(L, beta_n * k_n * decay_in, upper=False, unitriangular=True))
-    Aqk, w, u = (torch.stack(x, dim=2) for x in (Aqk, w, u))
+    Aqk, w, u = kda_intra_chunk(q, k, v_c, gc, beta)  # independent of the state, every chunk at once
 
     # Sequential: the values written given the incoming state, the outputs, the outgoing state.
     o, S = state_passing(q, k, gc, Aqk, w, u, initial_state)
     o = torch.where((spoilt | bad_q)[..., None], math.nan, o)
     S = torch.where(spoilt[:, :, -1, -1, None, None], math.nan, S)
     return from_chunks(o, T, v.dtype), (S if output_final_state else None)
+
+
+def kda_intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The part of every chunk that does not depend on the state entering it: `Aqk`, `w` and `u`.
+
+    With the chunk's (I + A) of `kda_chunked`'s docstring, `u = (I + A)^-1 Diag(beta) V`,
+    `w = (I + A)^-1 Diag(beta) (K * exp(gc))` (one triangular solve each) and the causal scores
+    `Aqk_ij = sum_c q_ic k_jc exp(gc_ic - gc_jc)` for j <= i. The chunks are independent of each other; here
+    they run one at a time, which bounds the memory of the decayed scores.
+
+    Args:
+        q: scaled queries `[B, HV, NC, C, K]`; k `[B, HV, NC, C, K]`; v `[B, HV, NC, C, V]`; gc the gates
+            summed from each chunk's start `[B, HV, NC, C, K]`; beta `[B, HV, NC, C]` (`chunk_inputs`).
+
+    Returns:
+        `(Aqk [B, HV, NC, C, C], w [B, HV, NC, C, K], u [B, HV, NC, C, V])` in q's dtype.
+    """
+    C, dtype = q.shape[3], q.dtype
+    i = torch.arange(C, device=q.device)
+    eye, not_below = torch.eye(C, dtype=dtype, device=q.device), i[:, None] <= i  # [C, C]
+    Aqk, w, u = [], [], []
+    for n in range(q.shape[2]):  # the NC chunks
+        q_n, k_n, v_n, beta_n, gc_n = q[:, :, n], k[:, :, n], v[:, :, n], beta[:, :, n, :, None], gc[:, :, n]
+        Akk, Aqk_n = _decayed_scores(torch.stack([k_n, q_n]), k_n, gc_n)  # x = k for A, x = q for Aqk
+        L = eye + beta_n * Akk.masked_fill(not_below, 0)  # I + A, A strictly lower triangular
+        decay_in = gc_n.exp().to(dtype)  # from the chunk start, <= 1
+        Aqk.append(Aqk_n)
+        u.append(torch.linalg.solve_triangular(L, beta_n * v_n, upper=False, unitriangular=True))
+        w.append(torch.linalg.solve_triangular(L, beta_n * k_n * decay_in, upper=False, unitriangular=True))
+    return tuple(torch.stack(x, dim=2) for x in (Aqk, w, u))
 
 
 def _decayed_scores(x: torch.Tensor, k: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:

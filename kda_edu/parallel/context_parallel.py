@@ -14,6 +14,9 @@ shard leaves when it starts from zero (K x V). Two ways to give every rank its `
 - `"scan"`: every rank computes its `(M, B)` at once, the ranks all-gather the maps (K x K + K x V per head
   per rank), and each folds the maps of the ranks before it into its `S_in`; then every rank runs its shard
   from that state, all at the same time.
+- `"one_pass"`: as `"scan"`, but the shard runs once. Its chunked pass starts from a zero carry and keeps,
+  per token, how the output depends on the carry (`o = o(0) + R S_in`, R `[T_r, K]` per head; see
+  `one_pass_shard`); after the fold the outputs are corrected by one matrix product instead of a second pass.
 
 The backward is the same picture reversed: the gradient of the incoming state is affine in the gradient of
 the outgoing one, `dS_in = M^T dS_out + G` (G from the shard's own outputs), and it travels from the last
@@ -24,14 +27,16 @@ gloo on CPU tensors, NCCL on CUDA tensors.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from kda_edu.ops._checks import check_kda_inputs, compute_dtype, resolve_scale
-from kda_edu.ops.kda import kda_chunked
+from kda_edu.ops._checks import check_chunk_size, check_kda_inputs, compute_dtype, resolve_scale
+from kda_edu.ops._chunks import chunk_inputs, from_chunks, state_passing
+from kda_edu.ops.kda import kda_chunked, kda_intra_chunk
 
-SCHEMES = ("scan", "sequential")
+SCHEMES = ("scan", "sequential", "one_pass")
 
 
 def reference_kernel(
@@ -197,6 +202,127 @@ def _vjp(kernel, inputs, h0, layout, scale, do, dht):
     return [torch.zeros_like(x) if gx is None else gx for x, gx in zip(xs, grads, strict=True)]
 
 
+class ShardPass(NamedTuple):
+    """What `one_pass_shard` leaves: everything from a zero carry, and how the carry enters it.
+
+    Attributes:
+        o: `[B, T_r, HV, V]`, the outputs when the carry is zero (the pieces that start a sequence already
+            ran from their `initial_state` row and are final).
+        ht: `[P, HV, K, V]`, the last state of each piece, from the zero carry.
+        M: `[C, HV, K, K]`, the shard's transition of the carry: the piece that receives it ends in state
+            `ht + M S_in` (empty when the shard receives nothing).
+        R: `[C, T_in, HV, K]`, the read-out of the carry for the T_in tokens of the receiving piece(s), which
+            are the shard's first tokens: `o[:, :T_in] + R S_in` (per head).
+    """
+
+    o: torch.Tensor
+    ht: torch.Tensor
+    M: torch.Tensor
+    R: torch.Tensor
+
+
+def chunk_pass_with_carry(q, k, v, g, beta, scale: float, h0, chunk_size: int = 64):
+    """One chunked KDA pass that also returns how its outputs and last state depend on the entering state.
+
+    Returns `(o, ht, M, R)` with o `[B, T, HV, V]` and ht `[B, HV, K, V]` the pass from `h0`, and, for any
+    other entering state `h0 + S`,
+
+        o_t(h0 + S) = o_t + R_t S          R `[B, T, HV, K]` (row t of R_t per head)
+        ht(h0 + S)  = ht + M S             M `[B, HV, K, K]`
+
+    Derivation from `kda_edu.ops.kda.kda_chunked`'s WY form. Chunk n with entering state S_n writes
+    `U = u - w S_n`, reads `O_n = (Q * exp(gc)) S_n + Aqk U` and leaves
+    `S_{n+1} = Diag(exp(gc_C)) S_n + (K * exp(gc_C - gc))^T U`, where Aqk, w, u do not depend on S_n.
+    Substituting U, both are affine in S_n with the chunk's own factors:
+
+        O_n     = O_n|_{S_n = 0} + P_n S_n          P_n = Q * exp(gc) - Aqk w                      [C, K]
+        S_{n+1} = S_{n+1}|_{S_n = 0} + M_n S_n      M_n = Diag(exp(gc_C)) - (K * exp(gc_C - gc))^T w  [K, K]
+
+    Adding S to the state entering chunk 0 therefore adds `Pi_n S` to the state entering chunk n, with
+    `Pi_0 = I` and `Pi_{n+1} = M_n Pi_n` (the change propagates through the chunks' linear parts only), and
+    adds `P_n Pi_n S` to chunk n's outputs: `R = P_n Pi_n` per chunk and `M = Pi_NC`. The state-independent
+    factors (Aqk, w, u) come from one call of `kda_intra_chunk`, shared by the pass from h0 and by P_n, M_n;
+    the prefix products Pi_n are a scan of the M_n (`affine_scan`, log-depth). Padding steps of the last
+    chunk have k = g = beta = 0, so they leave M_n unchanged and their rows of R are dropped.
+
+    Non-finite inputs are not handled here (`kda_chunked` isolates them); call on finite inputs.
+    """
+    B, T, HV = v.shape[:3]
+    Qc, Kc, Vc, _, gc, beta_c = chunk_inputs(
+        q, k, v, g, beta, scale=scale, chunk_size=chunk_size, resets=True
+    )
+    Aqk, w, u = kda_intra_chunk(Qc, Kc, Vc, gc, beta_c)
+    o_c, ht = state_passing(Qc, Kc, gc, Aqk, w, u, h0)
+    dtype = Qc.dtype
+    P = Qc * gc.exp().to(dtype) - Aqk @ w  # [B, HV, NC, C, K]
+    writes = Kc * (gc[..., -1:, :] - gc).exp().to(dtype)
+    M_n = torch.diag_embed(gc[..., -1, :].exp().to(dtype)) - writes.transpose(-1, -2) @ w  # [B, HV, NC, K, K]
+    through = affine_scan(M_n.movedim(2, 0))[0].movedim(0, 2)  # M_n ... M_0: [B, HV, NC, K, K]
+    eye = torch.eye(Kc.shape[-1], dtype=dtype, device=Kc.device).expand_as(through[:, :, :1])
+    Pi = torch.cat([eye, through[:, :, :-1]], dim=2)  # the product before chunk n
+    R = from_chunks(P @ Pi, T, dtype)  # [B, T, HV, K]
+    return from_chunks(o_c, T, v.dtype), ht, through[:, :, -1], R
+
+
+def one_pass_shard(inputs, h0, layout: ShardLayout, scale: float, chunk_size: int = 64) -> ShardPass:
+    """This shard's chunked pass, run once with a zero carry: its outputs and states, and the carry's maps.
+
+    `h0` holds every piece's initial state with the carry set to zero (`_local_state`). Without cu_seqlens
+    the B rows run together; with cu_seqlens each piece runs alone (a piece of length zero passes its state
+    through). The pieces that receive the carry also return (M, R) (`chunk_pass_with_carry`); the others
+    run from their own initial state, which is already right.
+    """
+    q, k, v, g, beta = inputs
+    if layout.local_cu is None:
+        rows = [(slice(None), 0, q.shape[1], layout.takes_in)]
+    else:
+        cu = layout.local_cu
+        rows = [(slice(None), cu[p], cu[p + 1], p in layout.in_rows) for p in range(len(cu) - 1)]
+    outs, finals, M, R = [], [], None, None
+    for p, (batch, a, b, takes) in enumerate(rows):
+        state = h0 if layout.local_cu is None else h0[p : p + 1]
+        if a == b:
+            finals.append(state)
+            continue
+        piece = (x[batch, a:b] for x in inputs)
+        o_p, ht_p, M_p, R_p = chunk_pass_with_carry(*piece, scale, state, chunk_size)
+        outs.append(o_p)
+        finals.append(ht_p)
+        if takes:
+            M, R = M_p, R_p
+    HV, K = v.shape[2], k.shape[3]
+    if M is None:  # nothing enters this shard
+        M = h0.new_zeros(0, HV, K, K)
+        R = h0.new_zeros(0, 0, HV, K)
+    o = torch.cat(outs, dim=1) if outs else v[:, :0]
+    return ShardPass(o, torch.cat(finals), M, R)
+
+
+def corrected(shard: ShardPass, carry: torch.Tensor, layout: ShardLayout):
+    """The shard's outputs and piece states for the carry it receives: `o + R S_in`, `ht + M S_in`."""
+    if not layout.takes_in:
+        return shard.o, shard.ht
+    T_in = shard.R.shape[1]
+    o_in = shard.o[:, :T_in] + torch.einsum("cthk,chkv->cthv", shard.R, carry).to(shard.o.dtype)
+    o = torch.cat([o_in, shard.o[:, T_in:]], dim=1)
+    rows = list(layout.in_rows)
+    ht = shard.ht.index_add(0, torch.tensor(rows, device=carry.device), shard.M @ carry)
+    return o, ht
+
+
+def one_pass_map(shard: ShardPass, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(M, B)` of the shard as `shard_map` gives them, read off a `ShardPass`: B the outgoing piece's
+    state from the zero carry, M the carry's transition when that piece is the one receiving the carry."""
+    C, HV, K, V = layout.carries, *shard.ht.shape[1:]
+    M = shard.ht.new_zeros(C, HV, K, K)
+    B = shard.ht.new_zeros(C, HV, K, V)
+    if layout.gives_out:
+        B = shard.ht[list(layout.out_rows)]
+        if layout.out_rows == layout.in_rows:
+            M = shard.M
+    return M.contiguous(), B.contiguous()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Across ranks
 
@@ -231,6 +357,83 @@ def fold_grads(maps: list[torch.Tensor], G: list[torch.Tensor], after: int) -> t
     for r in range(len(G) - 1, after, -1):
         D = maps[r].transpose(-1, -2) @ D + G[r]
     return D
+
+
+def affine_scan(M: torch.Tensor, B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every prefix of a chain of affine maps `S -> M_r S + B_r` along dim 0, in ceil(log2 R) batched steps.
+
+    Returns `(M'_r, B'_r)` for r = 0 .. R - 1 with `M'_r = M_r ... M_0` and `B'_r` the state after map r when
+    the state before map 0 is zero (`B'_r = M_r B'_{r-1} + B_r`). With B None, only the products.
+
+    Composition is associative, `(M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2)`, so the prefixes come from a
+    Hillis-Steele scan: at step d = 1, 2, 4, ... element r >= d takes in element r - d, which by then covers
+    the d maps before it. Each step is one batched matrix product over the stacked `[R, ..., K, K + V]`
+    tensor (M and B side by side), an add and a concatenation: a fixed number of launches per step, where
+    a loop launches one product per element. It does about R log2 R compositions instead of R; for one
+    prefix alone, `affine_reduce` does R.
+
+    Args:
+        M: `[R, ..., K, K]`. B: `[R, ..., K, V]` or None.
+    """
+    if B is not None and B.shape[:-1] != M.shape[:-1]:
+        raise ValueError(
+            f"B must have shape [R, ..., K, V] matching M {tuple(M.shape)}, got {tuple(B.shape)}"
+        )
+    K = M.shape[-1]
+    X = M if B is None else torch.cat([M, B], dim=-1)
+    d = 1
+    while d < X.shape[0]:
+        later = X[d:, ..., :K] @ X[:-d]  # element r composed with the d maps before it
+        if B is not None:
+            later[..., K:] += X[d:, ..., K:]
+        X = torch.cat([X[:d], later])
+        d *= 2
+    return X[..., :K], (None if B is None else X[..., K:])
+
+
+def affine_reduce(M: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The composition of all the maps along dim 0, `(M_{R-1} ... M_0, B'_{R-1})`, in ceil(log2 R) batched
+    steps and R - 1 compositions in all.
+
+    A tree: at each level the maps pair up, `(M_{2i+1}, B_{2i+1}) o (M_{2i}, B_{2i})`, as one batched product
+    of the `[R / 2, ..., K, K]` odd maps by the `[R / 2, ..., K, K + V]` even ones (an odd one out moves up
+    as it is). Where `affine_scan` gives every prefix at R log R compositions, a rank needs one prefix:
+    this does the loop's work, about twice its products (each composition is K x K by K x (K + V), the loop's
+    step K x K by K x V), in log-depth launches.
+
+    Args:
+        M: `[R, ..., K, K]`, R >= 1. B: `[R, ..., K, V]`.
+    """
+    if B.shape[:-1] != M.shape[:-1] or M.shape[0] < 1:
+        raise ValueError(
+            f"M [R, ..., K, K] and B [R, ..., K, V] must match, R >= 1: {tuple(M.shape)}, {tuple(B.shape)}"
+        )
+    K = M.shape[-1]
+    X = torch.cat([M, B], dim=-1)
+    while X.shape[0] > 1:
+        pairs = X.shape[0] // 2
+        later, earlier = X[1 : 2 * pairs : 2], X[0 : 2 * pairs : 2]
+        up = later[..., :K] @ earlier
+        up[..., K:] += later[..., K:]
+        X = torch.cat([up, X[2 * pairs :]]) if X.shape[0] % 2 else up
+    return X[0, ..., :K], X[0, ..., K:]
+
+
+def fold_maps_batched(M: torch.Tensor, B: torch.Tensor, upto: int) -> torch.Tensor:
+    """`fold_maps` on the stacked maps `M [R, ..., K, K]`, `B [R, ..., K, V]`: the state entering rank `upto`,
+    by `affine_reduce` of the first `upto` maps (zero for rank 0)."""
+    if upto == 0:
+        return torch.zeros_like(B[0])
+    return affine_reduce(M[:upto], B[:upto])[1]
+
+
+def fold_grads_batched(M: torch.Tensor, G: torch.Tensor, after: int) -> torch.Tensor:
+    """`fold_grads` on the stacked `M [R, ..., K, K]` and `G [R, ..., K, V]`: the gradient of the state
+    leaving rank `after`, the same reduction from the last rank back with the maps transposed
+    (`dS_in_r = M_r^T dS_out_r + G_r`; zero for the last rank)."""
+    if after == G.shape[0] - 1:
+        return torch.zeros_like(G[0])
+    return affine_reduce(M[after + 1 :].flip(0).transpose(-1, -2), G[after + 1 :].flip(0))[1]
 
 
 class ContextParallelKDA(torch.autograd.Function):
@@ -310,6 +513,77 @@ class ContextParallelKDA(torch.autograd.Function):
         return (*grads[:5], d_initial, None, None, None, None, None)
 
 
+def _final_rows(layout: ShardLayout, ht: torch.Tensor) -> torch.Tensor:
+    """The `[N, HV, K, V]` final states: the pieces that end their sequence here, zeros elsewhere."""
+    final = ht.new_zeros(layout.sequences, *ht.shape[1:])
+    for p, n in enumerate(layout.seq_ids):
+        if layout.ends[p]:
+            final[n] = ht[p]
+    return final
+
+
+class OnePassKDA(torch.autograd.Function):
+    """The `"one_pass"` scheme on one rank (call `context_parallel_kda`, not this class).
+
+    Forward: run the shard once from a zero carry (`one_pass_shard`: outputs, piece states, and the carry's
+    transition M and read-out R), all-gather the maps `(M, B)`, fold them in a log-depth tree of batched
+    products (`fold_maps_batched`), and correct the outputs and states with the incoming state S_in:
+    `o + R S_in`, `ht + M S_in`.
+
+    Backward: the incoming state's gradient from this shard's own outputs needs no backward pass,
+    `G = sum_t R_t^T dO_t + M^T dht` (the correction is linear in S_in); the G's are all-gathered and
+    folded back (`fold_grads_batched`) into the gradient of the outgoing state. Then one autograd pass
+    through the recomputed shard and its correction, with S_in held fixed, gives the shard's input gradients
+    (the path through S_in belongs to the ranks before, which receive it through their folded G's).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, layout, chunk_size, group):
+        inputs = (q, k, v, g, beta)
+        HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+        zero = torch.zeros(layout.carries, HV, K, V, dtype=compute_dtype(q.dtype), device=q.device)
+        h0 = _local_state(layout, initial_state, zero, zero[0])
+        shard = one_pass_shard(inputs, h0, layout, scale, chunk_size)
+        M, B = one_pass_map(shard, layout)
+        Ms, Bs = (torch.stack(_all_gather(x, group)) for x in (M, B))
+        carry = fold_maps_batched(Ms, Bs, layout.rank)
+        o, ht = corrected(shard, carry, layout)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, carry, Ms, shard.M, shard.R)
+        ctx.layout, ctx.scale, ctx.chunk_size, ctx.group = layout, scale, chunk_size, group
+        return o, _final_rows(layout, ht)
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, initial_state, carry, Ms, M_in, R_in = ctx.saved_tensors
+        layout, scale, chunk_size, group = ctx.layout, ctx.scale, ctx.chunk_size, ctx.group
+        dht = carry.new_zeros(len(layout.seq_ids), *carry.shape[1:])
+        for p, n in enumerate(layout.seq_ids):
+            if layout.ends[p]:
+                dht[p] = dfinal[n]
+        G = torch.zeros_like(carry)
+        if layout.takes_in:
+            rows_in = list(layout.in_rows)
+            do_in = do[:, : R_in.shape[1]].to(R_in.dtype)
+            G = torch.einsum("cthk,cthv->chkv", R_in, do_in) + M_in.transpose(-1, -2) @ dht[rows_in]
+        Gs = torch.stack(_all_gather(G, group))  # every rank takes part in the collective
+        if layout.gives_out:
+            dht[list(layout.out_rows)] = fold_grads_batched(Ms, Gs, layout.rank)
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+            zero = torch.zeros_like(carry)
+            h0 = _local_state(layout, initial_state, zero, zero[0]).detach().requires_grad_()
+            o, ht = corrected(one_pass_shard(xs, h0, layout, scale, chunk_size), carry, layout)
+            grads = torch.autograd.grad((o, ht), [*xs, h0], (do, dht), allow_unused=True)
+        grads = [torch.zeros_like(x) if gx is None else gx for x, gx in zip([*xs, h0], grads, strict=True)]
+        d_initial = None
+        if initial_state is not None and ctx.needs_input_grad[5]:
+            d_initial = torch.zeros_like(initial_state)
+            for p, n in enumerate(layout.seq_ids):
+                if layout.starts[p]:
+                    d_initial[n] = grads[5][p]
+        return (*grads[:5], d_initial, None, None, None, None)
+
+
 def context_parallel_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -324,6 +598,7 @@ def context_parallel_kda(
     scheme: str = "scan",
     kernel=None,
     group=None,
+    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over a sequence split across the ranks of `group`; call it on every rank with that rank's shard.
 
@@ -342,11 +617,15 @@ def context_parallel_kda(
         cu_seqlens: optional `[N + 1]` cumulative lengths of N sequences packed along the whole of T (the
             concatenation of all shards; B = 1), the same on every rank. Sequences may cross shard boundaries
             and span several ranks.
-        scheme: `"scan"` (all ranks compute their affine maps at once and all-gather them) or
-            `"sequential"` (each rank waits for the state of the previous one).
+        scheme: `"scan"` (all ranks compute their affine maps at once and all-gather them),
+            `"sequential"` (each rank waits for the state of the previous one) or `"one_pass"` (as scan,
+            but each shard runs once and its outputs are corrected with the incoming state).
         kernel: the single-device function run on each shard, with `chunk_kda`'s signature; `chunk_kda`
-            when None, `reference_kernel` for plain PyTorch.
+            when None, `reference_kernel` for plain PyTorch. `"one_pass"` runs its own chunked pass in
+            plain PyTorch (it needs the chunks' factors, which a kernel does not return): None or
+            `reference_kernel` there.
         group: the process group; the default group when None.
+        chunk_size: the chunk of `"one_pass"`'s chunked pass (the other schemes' kernel chooses its own).
 
     Returns:
         `(o, final_state)`: o `[B, T_r, HV, V]`; final_state `[B or N, HV, K, V]` holding the final states of
@@ -355,6 +634,12 @@ def context_parallel_kda(
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if scheme == "one_pass" and kernel not in (None, reference_kernel):
+        raise ValueError(
+            "kernel must be None or reference_kernel with scheme 'one_pass' (it runs its own chunked pass, "
+            f"which keeps the chunks' factors), got {getattr(kernel, '__name__', kernel)!r}"
+        )
+    chunk_size = check_chunk_size(chunk_size)
     if not dist.is_initialized():
         raise RuntimeError("context_parallel_kda needs torch.distributed initialised (init_process_group)")
     B, T, H, HV, K, V = check_kda_inputs(q, k, v, g, beta, initial_state if cu_seqlens is None else None)
@@ -382,6 +667,9 @@ def context_parallel_kda(
             )
     rank = dist.get_rank(group)
     layout = shard_layout(lengths, rank, B, cu)
+    if scheme == "one_pass":
+        o, final = OnePassKDA.apply(q, k, v, g, beta, initial_state, scale, layout, chunk_size, group)
+        return o, final if output_final_state else None
     o, final = ContextParallelKDA.apply(
         q, k, v, g, beta, initial_state, scale, layout, kernel or default_kernel(), scheme, group
     )

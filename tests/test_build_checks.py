@@ -22,6 +22,7 @@ import browser_check  # noqa: E402
 import cache_guard  # noqa: E402
 import figure_numbers  # noqa: E402
 import merge_junit  # noqa: E402
+import merge_speed  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 HAS_JUPYTER_BOOK = (VENV_BIN / "jupyter-book").exists() and shutil.which("make") is not None
@@ -226,3 +227,28 @@ def test_figures_are_numbered_per_chapter():
         "book/08_chunk_kernel": {"figure": {"fig-late": (8, 2), "fig-early": (8, 1)}, "table": {"t": (8, 1)}},
     }
     assert changed == ["book/02_linear_attention", "book/08_chunk_kernel"]
+
+
+def test_a_speed_run_replaces_only_the_rows_it_timed():
+    """A run's rows replace those of the same (case, B, T, H) and carry its commit; the other rows keep theirs;
+    the build's tests are recorded; a run on another GPU or without a commit is refused."""
+    env = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-07"}
+    old = {
+        **env,
+        "rows": [
+            {"case": "fwd", "B": 1, "T": 8192, "H": 32, "kda_edu ms": 1.0, "fla ms": 1.2, "commit": "aaa"},
+            {"case": "decode", "B": 1, "T": 1, "H": 32, "kda_edu ms": 0.1, "fla ms": 0.14, "commit": "aaa"},
+        ],
+        "builds": {"aaa": {"cases": ["decode", "fwd"], "note": "kept"}},
+    }
+    run = {**env, "commit": "bbb", "rows": [{"case": "decode", "B": 1, "T": 1, "H": 32, "kda_edu ms": 0.007}]}
+    tests = {"command": "pytest tests/kernels", "passed": 3, "failed": 0, "skipped": 0}
+    merged = merge_speed.merge(old, run, tests)
+    by_case = {r["case"]: r for r in merged["rows"]}
+    assert by_case["fwd"]["commit"] == "aaa" and by_case["fwd"]["kda_edu ms"] == 1.0
+    assert by_case["decode"]["commit"] == "bbb" and by_case["decode"]["kda_edu ms"] == 0.007
+    assert merged["builds"]["aaa"]["note"] == "kept" and merged["builds"]["bbb"]["gpu_tests"] == tests
+    with pytest.raises(ValueError, match="another|on 'NVIDIA H200"):
+        merge_speed.merge(old, {**run, "device": "NVIDIA H200"}, None)
+    with pytest.raises(ValueError, match="commit"):
+        merge_speed.merge(old, {k: v for k, v in run.items() if k != "commit"}, None)

@@ -143,41 +143,51 @@ def _launch(kernel, N, HV, K, lower_bound, *tensors):
     )  # fmt: skip
 
 
+def kda_gates_fwd(f, b, A_log, dt_bias, lower_bound):
+    """Launch the forward on contiguous f `[B, T, HV, K]`, b `[B, T, HV]`: `(g, beta)`; `lower_bound` None
+    means the softplus gate."""
+    B, T, HV, K = f.shape
+    g = torch.empty(B, T, HV, K, dtype=torch.float32, device=f.device)
+    beta = torch.empty_like(b)
+    if B * T > 0:
+        _launch(_kda_gates_fwd_kernel, B * T, HV, K, lower_bound, f, dt_bias, A_log, b, g, beta)
+    return g, beta
+
+
+def kda_gates_bwd(f, b, A_log, dt_bias, lower_bound, dg, dbeta):
+    """Launch the backward on contiguous tensors: `(df, db, dA_log, ddt_bias)`, the last two float32."""
+    B, T, HV, K = f.shape
+    N = B * T
+    df, db = torch.empty_like(f), torch.empty_like(b)
+    NP = triton.cdiv(N, BR)
+    ddt_part = torch.zeros(NP, HV * K, dtype=torch.float32, device=f.device)
+    dA_part = torch.zeros_like(ddt_part)
+    if N > 0:
+        _launch(
+            _kda_gates_bwd_kernel, N, HV, K, lower_bound, f, dt_bias, A_log, b, dg, dbeta, df, db, ddt_part,
+            dA_part,
+        )  # fmt: skip
+    return df, db, dA_part.sum(0).view(HV, K).sum(1), ddt_part.sum(0).view(HV, K)
+
+
 class KDAGatesFunction(torch.autograd.Function):
     """`fused_kda_gates` with gradients for f, b, A_log and dt_bias; saves the inputs, recomputes the rest."""
 
     @staticmethod
     def forward(ctx, f, b, A_log, dt_bias, lower_bound):
-        B, T, HV, K = f.shape
-        N = B * T
-        f, b = f.reshape(N, HV * K).contiguous(), b.reshape(N, HV).contiguous()
-        A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-        g = torch.empty(B, T, HV, K, dtype=torch.float32, device=f.device)
-        beta = torch.empty(B, T, HV, dtype=b.dtype, device=b.device)
-        if N > 0:
-            _launch(_kda_gates_fwd_kernel, N, HV, K, lower_bound, f, dt_bias, A_log, b, g, beta)
+        f, b, A_log, dt_bias = (t.contiguous() for t in (f, b, A_log, dt_bias))
         ctx.save_for_backward(f, b, A_log, dt_bias)
-        ctx.lower_bound, ctx.shape = lower_bound, (B, T, HV, K)
-        return g, beta
+        ctx.lower_bound = lower_bound
+        return kda_gates_fwd(f, b, A_log, dt_bias, lower_bound)
 
     @staticmethod
     def backward(ctx, dg, dbeta):
         refuse_double_backward("fused_kda_gates")
         f, b, A_log, dt_bias = ctx.saved_tensors
-        B, T, HV, K = ctx.shape
-        N = B * T
-        df, db = torch.empty_like(f), torch.empty_like(b)
-        NP = triton.cdiv(N, BR)
-        ddt_part = torch.zeros(NP, HV * K, dtype=torch.float32, device=f.device)
-        dA_part = torch.zeros_like(ddt_part)
-        if N > 0:
-            _launch(
-                _kda_gates_bwd_kernel, N, HV, K, ctx.lower_bound, f, dt_bias, A_log, b,
-                dg.contiguous(), dbeta.contiguous(), df, db, ddt_part, dA_part,
-            )  # fmt: skip
-        ddt_bias = ddt_part.sum(0).view(HV, K).to(dt_bias.dtype)
-        dA_log = dA_part.sum(0).view(HV, K).sum(1).to(A_log.dtype)
-        return df.view(B, T, HV, K), db.view(B, T, HV), dA_log, ddt_bias, None
+        df, db, dA_log, ddt_bias = kda_gates_bwd(
+            f, b, A_log, dt_bias, ctx.lower_bound, dg.contiguous(), dbeta.contiguous()
+        )
+        return df, db, dA_log.to(A_log.dtype), ddt_bias.to(dt_bias.dtype), None
 
 
 def fused_kda_gates(

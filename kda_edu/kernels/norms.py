@@ -120,22 +120,66 @@ def _warps() -> int:
     return 1 if interpreting() else 4
 
 
+def l2_norm_fwd(x, eps):
+    """Launch the L2 norm's forward: `(y, rstd)`, y contiguous in x's shape and dtype, rstd `[rows]` float32.
+    x is read through an `[M, H, K]` view (a slice of a wider tensor stays in place when it has one)."""
+    x3 = x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, x.shape[-1])
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    M, H, K = x3.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M * H, dtype=torch.float32, device=x.device)
+    if y.numel() > 0:
+        BK = triton.next_power_of_2(K)
+        _l2_norm_fwd_kernel[(triton.cdiv(M * H, BR),)](
+            x3, y, rstd, M * H, H, x3.stride(0), x3.stride(1), eps, K=K, BR=BR, BK=BK, num_warps=_warps()
+        )
+    return y, rstd
+
+
+def l2_norm_bwd(y, rstd, dy):
+    """Launch the L2 norm's backward on contiguous y and dy: dx, contiguous in y's shape and dtype."""
+    dx = torch.empty_like(y)
+    K = y.shape[-1]
+    if y.numel() > 0:
+        N = y.numel() // K
+        BK = triton.next_power_of_2(K)
+        _l2_norm_bwd_kernel[(triton.cdiv(N, BR),)](y, rstd, dy, dx, N, K=K, BR=BR, BK=BK, num_warps=_warps())
+    return dx
+
+
+def gated_rms_norm_fwd(x, z, weight, eps):
+    """Launch the gated RMSNorm's forward on contiguous rows x, z `[N, D]`: y `[N, D]` in z's dtype."""
+    N, D = x.shape
+    y = torch.empty_like(z)
+    if N > 0:
+        BD = triton.next_power_of_2(D)
+        _gated_rms_norm_fwd_kernel[(triton.cdiv(N, BR),)](
+            x, z, weight, y, N, eps, D=D, BR=BR, BD=BD, num_warps=_warps()
+        )
+    return y
+
+
+def gated_rms_norm_bwd(x, z, weight, dy, eps):
+    """Launch the gated RMSNorm's backward on contiguous rows `[N, D]`: dx, dz and dweight (float32)."""
+    N, D = x.shape
+    dx, dz = torch.empty_like(x), torch.empty_like(z)
+    NP = triton.cdiv(N, BR)
+    dw_part = torch.zeros(NP, D, dtype=torch.float32, device=x.device)
+    if N > 0:
+        BD = triton.next_power_of_2(D)
+        _gated_rms_norm_bwd_kernel[(NP,)](
+            x, z, weight, dy, dx, dz, dw_part, N, eps, D=D, BR=BR, BD=BD, num_warps=_warps()
+        )
+    return dx, dz, dw_part.sum(0)
+
+
 class L2NormFunction(torch.autograd.Function):
-    """`fused_l2_normalize` with its gradient; x is viewed as `[M, H, K]` rows (strided, last dim dense)."""
+    """`fused_l2_normalize` with its gradient; saves the output and r per row."""
 
     @staticmethod
     def forward(ctx, x, eps):
-        x3 = x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, x.shape[-1])
-        if x3.stride(-1) != 1:
-            x3 = x3.contiguous()
-        M, H, K = x3.shape
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        rstd = torch.empty(M * H, dtype=torch.float32, device=x.device)
-        if y.numel() > 0:
-            BK = triton.next_power_of_2(K)
-            _l2_norm_fwd_kernel[(triton.cdiv(M * H, BR),)](
-                x3, y, rstd, M * H, H, x3.stride(0), x3.stride(1), eps, K=K, BR=BR, BK=BK, num_warps=_warps()
-            )
+        y, rstd = l2_norm_fwd(x, eps)
         ctx.save_for_backward(y, rstd)
         return y
 
@@ -143,16 +187,7 @@ class L2NormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         refuse_double_backward("fused_l2_normalize")
         y, rstd = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = torch.empty_like(y)
-        K = y.shape[-1]
-        if y.numel() > 0:
-            N = y.numel() // K
-            BK = triton.next_power_of_2(K)
-            _l2_norm_bwd_kernel[(triton.cdiv(N, BR),)](
-                y, rstd, dy, dx, N, K=K, BR=BR, BK=BK, num_warps=_warps()
-            )
-        return dx, None
+        return l2_norm_bwd(y, rstd, dy.contiguous()), None
 
 
 class GatedRMSNormFunction(torch.autograd.Function):
@@ -163,33 +198,18 @@ class GatedRMSNormFunction(torch.autograd.Function):
         D = x.shape[-1]
         x2, z2 = x.reshape(-1, D).contiguous(), z.reshape(-1, D).contiguous()
         weight = weight.contiguous()
-        N = x2.shape[0]
-        y = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        if N > 0:
-            BD = triton.next_power_of_2(D)
-            _gated_rms_norm_fwd_kernel[(triton.cdiv(N, BR),)](
-                x2, z2, weight, y, N, eps, D=D, BR=BR, BD=BD, num_warps=_warps()
-            )
         ctx.save_for_backward(x2, z2, weight)
         ctx.eps, ctx.shapes = eps, (x.shape, z.shape)
-        return y
+        return gated_rms_norm_fwd(x2, z2, weight, eps).view(z.shape)
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("fused_gated_rms_norm")
         x2, z2, weight = ctx.saved_tensors
-        N, D = x2.shape
-        dx, dz = torch.empty_like(x2), torch.empty_like(z2)
-        NP = triton.cdiv(N, BR)
-        dw_part = torch.zeros(NP, D, dtype=torch.float32, device=x2.device)
-        if N > 0:
-            BD = triton.next_power_of_2(D)
-            _gated_rms_norm_bwd_kernel[(NP,)](
-                x2, z2, weight, dy.reshape(-1, D).contiguous(), dx, dz, dw_part, N, ctx.eps, D=D, BR=BR, BD=BD,
-                num_warps=_warps(),
-            )  # fmt: skip
+        dy2 = dy.reshape(-1, x2.shape[1]).contiguous()
+        dx, dz, dweight = gated_rms_norm_bwd(x2, z2, weight, dy2, ctx.eps)
         x_shape, z_shape = ctx.shapes
-        return dx.view(x_shape), dz.view(z_shape), dw_part.sum(0).to(weight.dtype), None
+        return dx.view(x_shape), dz.view(z_shape), dweight.to(weight.dtype), None
 
 
 def _check_rows(name: str, x, shape_text: str) -> None:

@@ -33,7 +33,7 @@ from kda_edu.kernels.chunk_bwd import refuse_double_backward
 
 __all__ = ["fused_kda_gates"]
 
-BR = 32  # tokens per program
+BR = 16  # tokens per program
 GC = 128  # gate columns per program
 
 

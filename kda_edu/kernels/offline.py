@@ -6,8 +6,9 @@ any compute capability, on any machine, with Triton's own compiler and the `ptxa
 
 - `recorded_launches(capability)`: a context in which the launchers run on "meta" tensors (shapes and dtypes,
   no data) as they would on a GPU of that capability and record each launch instead of running it;
-- `library_launches(capability)`: the launches of `chunk_kda`'s forward and backward, of `fused_recurrent_kda`
-  and of the absorbed MLA decode, for every input dtype the library accepts on that GPU (`dtypes_for`) (the
+- `library_launches(capability)`: the launches of `chunk_kda`'s forward and backward, of `fused_recurrent_kda`,
+  of the absorbed MLA decode and of the layer's parts (short convolution, norms, gates), forward and backward,
+  for every input dtype the library accepts on that GPU (`dtypes_for`) (the
   chapters list their own kernels' launches the same way:
   `kda_edu.chapters.ch08_chunk_kernel.chapter_launches`);
 - `build(job)`: all of them compiled, one result (the error, if any) per distinct kernel;
@@ -136,7 +137,41 @@ def library_launches(capability: tuple[int, int]) -> list[tuple]:
             mla_q = torch.empty(2, 1, 4, 576, dtype=dtype, device="meta")  # absorbed MLA: r = 512, d_r = 64
             cache = torch.empty(4, 512, 576, dtype=dtype, device="meta")
             mla_absorbed_attention(mla_q, cache, slots, slots, 0.1, 512)
+            layer_part_launches(dtype)
     return launches
+
+
+def layer_part_launches(dtype) -> None:
+    """The layer's parts around the recurrence, forward and backward, in `dtype` (inside `recorded_launches`):
+    the short convolution with a window and with packed sequences, the q/k L2 norm on a slice of the
+    convolution's output, the gated RMSNorm and both decay gates."""
+    from kda_edu.kernels.layer_gates import kda_gates_bwd, kda_gates_fwd
+    from kda_edu.kernels.norms import gated_rms_norm_bwd, gated_rms_norm_fwd, l2_norm_bwd, l2_norm_fwd
+    from kda_edu.kernels.short_conv import short_conv_bwd, short_conv_fwd
+
+    meta = dict(device="meta")
+    B, T, H, K, W = 1, 256, 2, 128, 4
+    x = torch.empty(B, T, 3 * H * K, dtype=dtype, **meta)
+    weight = torch.empty(3 * H * K, W, dtype=dtype, **meta)
+    window = torch.empty(B, W - 1, 3 * H * K, dtype=dtype, **meta)
+    pos = torch.empty(T, dtype=torch.int32, **meta)
+    for win, p in ((window, None), (None, pos)):
+        short_conv_fwd(x, weight, win, p)
+        short_conv_bwd(x, weight, win, p, torch.empty_like(x))
+    q = x[..., : H * K].reshape(B, T, H, K)  # strided rows, as the layer's q
+    y, rstd = l2_norm_fwd(q, 1e-6)
+    l2_norm_bwd(y, rstd, torch.empty_like(y))
+    rows = torch.empty(B * T * H, K, dtype=dtype, **meta)
+    weight_d = torch.empty(K, dtype=dtype, **meta)
+    gated_rms_norm_fwd(rows, rows, weight_d, 1e-5)
+    gated_rms_norm_bwd(rows, rows, weight_d, rows, 1e-5)
+    f = torch.empty(B, T, H, K, dtype=dtype, **meta)
+    b = torch.empty(B, T, H, dtype=dtype, **meta)
+    A_log, dt_bias = torch.empty(H, **meta), torch.empty(H, K, **meta)  # float32, as the layer keeps them
+    g = torch.empty(B, T, H, K, **meta)
+    for lower_bound in (None, -5.0):
+        kda_gates_fwd(f, b, A_log, dt_bias, lower_bound)
+        kda_gates_bwd(f, b, A_log, dt_bias, lower_bound, g, b)
 
 
 def _specialised(kernel, args, kwargs, capability):

@@ -25,7 +25,12 @@ convolution and the recurrent state `[B, HV, K, V]`. Both have a fixed size, wha
 `KDAConfig.backend` picks where the recurrence runs (`kda_edu.backend.use_triton`): by default in the Triton
 kernels on a CUDA GPU (`kda_edu.kernels.chunk_kda`, whose backward of chapter 9 gives the gradients in
 training; `fused_recurrent_kda` for a decoding step without gradients) and in the PyTorch `kda_chunked` /
-`kda_step` elsewhere.
+`kda_step` elsewhere. Where the recurrence runs in the kernels, so do the parts around it, for a float32,
+bfloat16 or float16 layer: the short convolution and SiLU (`fused_short_conv`), the L2 norm of q and k
+(`fused_l2_normalize`), the gate and beta (`fused_kda_gates`) and the gated output norm (`fused_gated_rms_norm`),
+each one kernel forward and one backward instead of a chain of PyTorch operations that each read and write
+the whole activation and keep it for the backward. They compute what the modules below compute, with the same
+parameters.
 """
 
 import math
@@ -35,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kda_edu.backend import check_backend, use_triton
+from kda_edu.backend import KERNEL_FLOATS, check_backend, use_triton
 from kda_edu.ops._checks import compute_dtype
 from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize, overflow_scale
 from kda_edu.ops.kda import kda_chunked, kda_step
@@ -376,22 +381,39 @@ class KDALayer(nn.Module):
         B, T, _ = x.shape
         H, HV, K, V = cfg.num_heads, cfg.hv, cfg.head_dim, cfg.v_dim
 
+        fused = self._fused_parts(x)
+        if fused:  # imported on use: `import kda_edu` never imports Triton
+            from kda_edu.kernels import (
+                fused_gated_rms_norm,
+                fused_kda_gates,
+                fused_l2_normalize,
+                fused_short_conv,
+            )
+
         qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         window = None if cache is None else cache.conv_window
-        qkv, window = self.conv(qkv_in, window, cu_seqlens=None if varlen is None else varlen[1])
+        if fused:
+            cu = None if varlen is None else varlen[0]
+            qkv, window = fused_short_conv(qkv_in, self.conv.weight, window, cu_seqlens=cu)
+        else:
+            qkv, window = self.conv(qkv_in, window, cu_seqlens=None if varlen is None else varlen[1])
         if varlen is not None and cache is not None:  # each sequence's own last W - 1 inputs
             window = _last_inputs(qkv_in, varlen[1], cfg.conv_size - 1)
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
-        q = l2_normalize(q.reshape(B, T, H, K))
-        k = l2_normalize(k.reshape(B, T, H, K))
+        normalize = fused_l2_normalize if fused else l2_normalize
+        q = normalize(q.reshape(B, T, H, K))
+        k = normalize(k.reshape(B, T, H, K))
         v = v.reshape(B, T, HV, V)
 
         f = (self.f_proj(x) if cfg.full_rank_decay else self.f_up(self.f_down(x))).view(B, T, HV, K)
-        if cfg.gate == "softplus":
-            g = kda_gate(f, self.A_log, self.dt_bias)
+        if fused:
+            g, beta = fused_kda_gates(f, self.b_proj(x), self.A_log, self.dt_bias, cfg.gate, cfg.lower_bound)
         else:
-            g = kda_gate_lower_bound(f, self.A_log, self.dt_bias, lower_bound=cfg.lower_bound)
-        beta = beta_sigmoid(self.b_proj(x))
+            if cfg.gate == "softplus":
+                g = kda_gate(f, self.A_log, self.dt_bias)
+            else:
+                g = kda_gate_lower_bound(f, self.A_log, self.dt_bias, lower_bound=cfg.lower_bound)
+            beta = beta_sigmoid(self.b_proj(x))
 
         if cache is None:
             o, _ = self._prefill(
@@ -414,9 +436,17 @@ class KDALayer(nn.Module):
                 o, state = self._prefill(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
             cache.conv_window, cache.state, cache.seq_len = window, state, cache.seq_len + T
 
-        gate = self.g_proj(x) if cfg.full_rank_output else self.g_up(self.g_down(x))
-        o = self.o_norm(o, gate.view(B, T, HV, V))
+        gate = (self.g_proj(x) if cfg.full_rank_output else self.g_up(self.g_down(x))).view(B, T, HV, V)
+        if fused:
+            o = fused_gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
+        else:
+            o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(B, T, HV * V))
+
+    def _fused_parts(self, x: torch.Tensor) -> bool:
+        """Whether the parts around the recurrence run in the Triton kernels: where the recurrence does
+        (`use_triton`), for a float32, bfloat16 or float16 layer (a float64 one keeps the PyTorch modules)."""
+        return use_triton(self.config.backend, x) and x.dtype in KERNEL_FLOATS
 
     def _prefill(self, q, k, v, g, beta, initial_state, output_final_state, varlen=None):
         """The chunked form: Triton's `chunk_kda` (forward and backward) when the backend says so, else

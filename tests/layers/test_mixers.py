@@ -112,7 +112,7 @@ def test_triton_backend_names_a_device_it_cannot_use(monkeypatch):
 
     layer = TokenMixer(32, MixerConfig("kda", 2, 16, chunk_size=16, backend="triton"))
     monkeypatch.setattr(_backend, "interpreting", lambda: False)
-    with pytest.raises(ValueError, match="q is on cpu, but the Triton kernels are compiled for the CUDA GPU"):
+    with pytest.raises(ValueError, match="x is on cpu, but the Triton kernels are compiled for the CUDA GPU"):
         layer(torch.randn(1, 5, 32))
 
 

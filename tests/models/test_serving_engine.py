@@ -295,3 +295,40 @@ def test_engine_bad_arguments():
     with pytest.raises(ValueError, match="needs 5 blocks of 4 tokens, more than the pool's num_blocks = 4"):
         engine.add_request(list(range(10)), 4)
     assert not engine.has_work()  # nothing was queued
+
+
+@pytest.mark.slow
+def test_kernel_path_matches_the_model():
+    """`kernels=True`: prefill chunks through `chunk_kda` over packed sequences with initial states (a prefix
+    hit resumes from a snapshot, a chunk ends mid-block), decoded tokens through `fused_recurrent_kda` with
+    state indices and `mla_absorbed_attention`; on a GPU compiled, elsewhere through Triton's interpreter
+    (slow). The kernels compute in float32: float32 model and 1e-4 (rounding over 4 layers and a softmax)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = HybridConfig(
+        vocab_size=48,
+        d_model=16,
+        n_layers=4,
+        kda=KDAConfig(num_heads=2, head_dim=16, chunk_size=16),
+        mla=MLAConfig(num_heads=2, kv_rank=16, qk_head_dim=16, v_head_dim=16, rope_head_dim=16),
+        init_std=0.3,
+    )
+    torch.manual_seed(0)
+    model = HybridLM(config).to(device).float().eval()
+    engine = Engine(model, block_size=8, num_blocks=24, token_budget=12, max_running=2, kernels=True)
+    first = engine.add_request(ids(21, 14), 4, keep_logits=True)
+    engine.run()
+    turn = engine.requests[first].tokens + ids(5, 15)
+    rids = [
+        first,
+        engine.add_request(turn, 3, keep_logits=True),
+        engine.add_request(ids(14, 16), 5, keep_logits=True),
+    ]
+    engine.run()
+    assert engine.requests[rids[1]].cached == 24  # the snapshot of the first request's last decoding step
+    for rid in rids:
+        r = engine.requests[rid]
+        with torch.no_grad():
+            full = model(torch.tensor(r.tokens, device=device)[None])[0]
+        expected = full[len(r.prompt) - 1 : len(r.tokens) - 1]
+        torch.testing.assert_close(torch.stack(r.logits), expected, rtol=1e-4, atol=1e-4)
+        assert r.output == expected.argmax(-1).tolist()

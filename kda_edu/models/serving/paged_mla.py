@@ -94,7 +94,7 @@ class PagedMLACache:
         bs = pool.shape[1]
         n = -(-length // bs)
         ids = torch.tensor([t[:n] + [0] * (n - len(t[:n])) for t in tables], device=pool.device)
-        return pool[ids].reshape(len(tables), n * bs, -1)[:, :length]
+        return pool[ids].reshape(len(tables), n * bs, -1)[:, :length].contiguous()
 
 
 def paged_mla_forward(

@@ -6,6 +6,7 @@
   and KDA state snapshots) and chunked prefill mixed with decodes; built from `blocks` (the block pool and
   prefix index), `paged_mla` (the paged latent cache), `kda_prefix` (KDA state slots and snapshots) and
   `scheduler` (the token budget's pieces).
+- `graphs`: CUDA-graph buckets for the decoder's step (a batch padded to the next captured size).
 """
 
 from kda_edu.models.serving.blocks import BlockPool

@@ -205,6 +205,23 @@ def test_repeated_prompt_copies_the_shared_block_before_writing():
     assert [engine.requests[r].cached for r in rids] == [0, 11, 11]
 
 
+@pytest.mark.parametrize("pattern", ["KKKA", "K"])
+def test_repeated_prompt_resumes_before_its_last_token(pattern):
+    """With KDA layers a prompt of 3 full blocks sent again resumes at 8 tokens: its last chunk took the
+    snapshot before the prompt's last token, not at its end. Two copies admitted in the same step find
+    nothing (neither has computed anything yet) and both match the model."""
+    model = make_model(pattern)
+    engine = Engine(model, block_size=4, num_blocks=16, token_budget=16, max_running=2)
+    prompt = ids(12, 17)
+    rids = [engine.add_request(prompt, 2, keep_logits=True) for _ in range(2)]
+    engine.run()
+    rids.append(engine.add_request(prompt, 3, keep_logits=True))
+    engine.run()
+    for rid in rids:
+        check_request(model, engine, rid)
+    assert [engine.requests[r].cached for r in rids] == [0, 0, 8]
+
+
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_eviction_under_a_tight_pool(pattern):
     """A pool of 10 blocks of 4. The first request leaves 5 full blocks cached (23 tokens computed), with KDA

@@ -184,9 +184,11 @@ class Engine:
         for r, start, end in pieces:
             self.mla.prepare_write(r.table, start, end)
         bs = self.blocks.block_size
-        splits = []  # per piece, where in it to take a KDA snapshot (the last block boundary it reaches)
-        for _, start, end in pieces:
-            boundary = end // bs * bs
+        # Per piece, where in it to take a KDA snapshot: the last block boundary it reaches, except that a
+        # prompt's last chunk stops before the prompt's last token, where the same prompt sent again resumes.
+        splits = []
+        for r, start, end in pieces:
+            boundary = (end - 1 if end == len(r.prompt) else end) // bs * bs
             take = self.prefix_cache and bool(self.kda.layers) and boundary > start
             splits.append(boundary - start if take else None)
         taken = self._forward(pieces, splits)

@@ -9,7 +9,9 @@ of all t tokens. There is nothing to share per token; what can be reused is the 
   `j * block_size`, the state and window of every KDA layer right after that token is copied aside, keyed by
   the prefix hash of the block that ends there (`kda_edu.models.serving.blocks`). A prefill chunk that spans
   several boundaries keeps the last one: its recurrence runs as two segments, up to the boundary and past it,
-  and the state between them is the snapshot. Only full blocks get one (a hash names a full block).
+  and the state between them is the snapshot. The last chunk of a prompt keeps the last boundary before the
+  prompt's last token (a request must compute at least its last token, for its logits: the same prompt sent
+  again resumes there). Only full blocks get one (a hash names a full block).
 - **Only usable hits.** A hybrid model can resume at block j only where every KDA layer has the snapshot of
   `h_j` (the MLA rows of blocks 0..j are in the pool as long as the index names them). The engine's lookup
   walks the chain of cached blocks and stops at the deepest block that has a snapshot.

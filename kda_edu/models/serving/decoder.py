@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kda_edu.layers.mla import MLA, mla_absorbed_reference
 from kda_edu.models.model import HybridConfig, HybridLM
+from kda_edu.models.serving.graphs import bucket_for, pad_batch
 from kda_edu.ops._checks import value_checks_enabled
 from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
 from kda_edu.ops.kda import kda_step
@@ -53,6 +54,9 @@ class ServingDecoder:
         max_len: tokens per sequence at most (prompt and generated).
         kernels: use the Triton kernels; None means on a CUDA device.
         cuda_graph: capture and replay the step; None means on a CUDA device.
+        buckets: None (a step runs at its own batch size: one CUDA graph per size met), or ascending batch
+            sizes ending at `max_seqs` (`kda_edu.models.serving.graphs.decode_buckets`): a step of B
+            sequences runs padded to the smallest bucket >= B, so that a few graphs serve every B.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class ServingDecoder:
         max_len: int,
         kernels: bool | None = None,
         cuda_graph: bool | None = None,
+        buckets: list[int] | None = None,
     ):
         if not isinstance(model, HybridLM) or model.depth is not None:
             raise ValueError("model must be a HybridLM without attention residuals")
@@ -90,6 +95,19 @@ class ServingDecoder:
                 window = torch.zeros(rows, cfg.conv_size - 1, channels, dtype=dtype, device=device)
                 state = torch.zeros(rows, cfg.hv, cfg.head_dim, cfg.v_dim, dtype=state_dtype, device=device)
                 self.pools.append({"window": window, "state": state})
+        if buckets is not None and (
+            not isinstance(buckets, (list, tuple))
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
+            or list(buckets) != sorted(set(buckets))
+            or not buckets
+            or buckets[0] < 1
+            or buckets[-1] != max_seqs
+        ):
+            raise ValueError(
+                f"buckets must be None or ascending distinct ints >= 1 ending at max_seqs = {max_seqs}, "
+                f"got {buckets!r}"
+            )
+        self.buckets = None if buckets is None else list(buckets)
         self.free = list(range(max_seqs))
         self._graphs: dict[int, tuple] = {}
 
@@ -141,7 +159,8 @@ class ServingDecoder:
     def step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Decode one token for each sequence: `tokens` int64 `[B]` at rows `slots` (int64 `[B]`, distinct, in
         use, each holding fewer than `max_len` tokens). Returns the logits `[B, vocab]`; with CUDA graphs a
-        buffer that the next step overwrites.
+        buffer that the next step overwrites. With `buckets`, the batch runs padded to its bucket (padding
+        rows decode into the scratch row) and the first B rows are returned.
 
         Raises:
             ValueError: bad shapes or dtypes; and, where the values are checked (see the class), a slot not
@@ -149,16 +168,19 @@ class ServingDecoder:
                 vocabulary. Nothing has changed when it is raised.
         """
         self._check_step(tokens, slots)
-        if not self.cuda_graph:
-            return self._step(tokens, slots)
         B = tokens.shape[0]
-        if B not in self._graphs:
-            self._graphs[B] = self._capture(B)
-        graph, static_tokens, static_slots, logits = self._graphs[B]
+        if self.buckets is not None:
+            tokens, slots = pad_batch(tokens, slots, bucket_for(B, self.buckets), self.scratch)
+        if not self.cuda_graph:
+            return self._step(tokens, slots)[:B]
+        size = tokens.shape[0]
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(size)
+        graph, static_tokens, static_slots, logits = self._graphs[size]
         static_tokens.copy_(tokens)
         static_slots.copy_(slots)
         graph.replay()
-        return logits
+        return logits[:B]
 
     def _check_step(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         device = self.lengths.device
@@ -223,6 +245,7 @@ class ServingDecoder:
                 x = x + self._kda(block.mixer, h, pool["window"], pool["state"], slots)
             x = x + block.ffn(block.ffn_norm(x))
         self.lengths.index_copy_(0, slots, lengths)
+        self.lengths[self.scratch] = 0  # padding rows and captures write there: it never grows
         return model.lm_head(model.norm(x))[:, 0]
 
     def _mla(self, layer, h, latent_pool, slots, positions, lengths):

@@ -21,7 +21,12 @@ from kda_edu.parallel.context_parallel import (
     default_kernel,
     reference_kernel,
 )
-from kda_edu.parallel.context_parallel_mla import mla_exchange_bytes
+from kda_edu.parallel.context_parallel_mla import (
+    context_parallel_mla,
+    mla_exchange_bytes,
+    zigzag_shard,
+    zigzag_unshard,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # A model of prefill time against the number of ranks
@@ -273,6 +278,36 @@ def gather_case(results: list[dict]) -> dict:
     return whole
 
 
+def mla_shard_case(rank: int, world: int, case: dict) -> dict:
+    """One rank's part of a context-parallel MLA run (for `run_gloo`): its zigzag shard through the layer.
+
+    `case` holds `layer` (an `MLA`, the same weights on every rank), the whole input `x` `[B, T, D]`,
+    optionally `mode` (`"mha"` by default) and `dy` (then the result also has the gradients of `<y, dy>`:
+    `dx` for this rank's tokens and `params`, this rank's share of every parameter's gradient).
+    """
+    layer = case["layer"]
+    layer.zero_grad(set_to_none=True)
+    x = zigzag_shard(case["x"], rank, world).clone().requires_grad_("dy" in case)
+    y = context_parallel_mla(layer, x, case["x"].shape[1], mode=case.get("mode", "mha"))
+    out = {"y": y.detach()}
+    if "dy" in case:
+        (y * zigzag_shard(case["dy"], rank, world)).sum().backward()
+        out["dx"] = x.grad
+        out["params"] = {n: p.grad for n, p in layer.named_parameters()}
+    return out
+
+
+def gather_mla_case(results: list[dict]) -> dict:
+    """Put the ranks' results of `mla_shard_case` back in sequence order: outputs and input gradients
+    unshuffled from the zigzag, parameter gradients summed over the ranks."""
+    whole = {"y": zigzag_unshard([r["y"] for r in results])}
+    if "dx" in results[0]:
+        whole["dx"] = zigzag_unshard([r["dx"] for r in results])
+        whole["params"] = {n: sum(r["params"][n] for r in results) for n in results[0]["params"]}
+    return whole
+
+
 def shard_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """`shard_case` for several cases in one set of processes (starting processes costs seconds)."""
-    return [shard_case(rank, world, case) for case in cases]
+    """Several cases in one set of processes (starting processes costs seconds): `mla_shard_case` for a
+    case that holds an MLA `layer`, `shard_case` (KDA) for the others."""
+    return [(mla_shard_case if "layer" in case else shard_case)(rank, world, case) for case in cases]

@@ -264,13 +264,41 @@ def chunk_pass_with_carry(q, k, v, g, beta, scale: float, h0, chunk_size: int = 
     return from_chunks(o_c, T, v.dtype), ht, through[:, :, -1], R
 
 
-def one_pass_shard(inputs, h0, layout: ShardLayout, scale: float, chunk_size: int = 64) -> ShardPass:
+def kernel_pass_with_carry(kernel, q, k, v, g, beta, scale: float, h0):
+    """`chunk_pass_with_carry`'s `(o, ht, M, R)` from a kernel with `chunk_kda`'s contract, in one call.
+
+    The carry's read-out and transition are the outputs and final state of K extra value columns that start
+    at the identity with zero values (`shard_map`'s observation): column j of the state then holds
+    `(A_t ... A_1) e_j`, so output column j is row t of R and the final columns are M. One call with values
+    `[v | 0]` and initial state `[h0 | I]` gives `[o | R]` and `[ht | M]`: the map's pass, kept instead of
+    rerun. When V + K exceeds 256 (`chunk_kda`'s widest value block) the two halves run as two calls. The
+    kernel's own backward differentiates R and M, so a Triton kernel's one pass has gradients too.
+    """
+    B, _, HV, V = v.shape
+    K = k.shape[3]
+    eye = torch.eye(K, dtype=h0.dtype, device=h0.device).expand(B, HV, K, K)
+    zeros_v = torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=v.device)
+    if V + K <= 256:
+        wide_v, wide_h0 = torch.cat([v, zeros_v], dim=-1), torch.cat([h0, eye], dim=-1)
+        o_w, ht_w = kernel(q, k, wide_v, g, beta, scale=scale, initial_state=wide_h0, output_final_state=True)
+        return o_w[..., :V], ht_w[..., :V], ht_w[..., V:], o_w[..., V:]
+    o, ht = kernel(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
+    R, M = kernel(
+        q, k, zeros_v, g, beta, scale=scale, initial_state=eye.contiguous(), output_final_state=True
+    )
+    return o, ht, M, R
+
+
+def one_pass_shard(
+    inputs, h0, layout: ShardLayout, scale: float, chunk_size: int = 64, kernel=None
+) -> ShardPass:
     """This shard's chunked pass, run once with a zero carry: its outputs and states, and the carry's maps.
 
     `h0` holds every piece's initial state with the carry set to zero (`_local_state`). Without cu_seqlens
     the B rows run together; with cu_seqlens each piece runs alone (a piece of length zero passes its state
-    through). The pieces that receive the carry also return (M, R) (`chunk_pass_with_carry`); the others
-    run from their own initial state, which is already right.
+    through). The pieces that receive the carry also return (M, R) (`chunk_pass_with_carry`, or
+    `kernel_pass_with_carry` when a `kernel` is given); the others run from their own initial state, which is
+    already right.
     """
     q, k, v, g, beta = inputs
     if layout.local_cu is None:
@@ -285,7 +313,12 @@ def one_pass_shard(inputs, h0, layout: ShardLayout, scale: float, chunk_size: in
             finals.append(state)
             continue
         piece = (x[batch, a:b] for x in inputs)
-        o_p, ht_p, M_p, R_p = chunk_pass_with_carry(*piece, scale, state, chunk_size)
+        if kernel is None:
+            o_p, ht_p, M_p, R_p = chunk_pass_with_carry(*piece, scale, state, chunk_size)
+        elif takes:
+            o_p, ht_p, M_p, R_p = kernel_pass_with_carry(kernel, *piece, scale, state)
+        else:
+            o_p, ht_p = kernel(*piece, scale=scale, initial_state=state, output_final_state=True)
         outs.append(o_p)
         finals.append(ht_p)
         if takes:
@@ -303,7 +336,10 @@ def corrected(shard: ShardPass, carry: torch.Tensor, layout: ShardLayout):
     if not layout.takes_in:
         return shard.o, shard.ht
     T_in = shard.R.shape[1]
-    o_in = shard.o[:, :T_in] + torch.einsum("cthk,chkv->cthv", shard.R, carry).to(shard.o.dtype)
+    read = torch.einsum(
+        "cthk,chkv->cthv", shard.R.to(carry.dtype), carry
+    )  # R in the outputs' dtype from a kernel
+    o_in = (shard.o[:, :T_in].to(carry.dtype) + read).to(shard.o.dtype)
     o = torch.cat([o_in, shard.o[:, T_in:]], dim=1)
     rows = list(layout.in_rows)
     ht = shard.ht.index_add(0, torch.tensor(rows, device=carry.device), shard.M @ carry)
@@ -538,18 +574,24 @@ class OnePassKDA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, layout, chunk_size, group):
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, layout, chunk_size, group, kernel=None):
         inputs = (q, k, v, g, beta)
         HV, K, V = v.shape[2], k.shape[3], v.shape[3]
         zero = torch.zeros(layout.carries, HV, K, V, dtype=compute_dtype(q.dtype), device=q.device)
         h0 = _local_state(layout, initial_state, zero, zero[0])
-        shard = one_pass_shard(inputs, h0, layout, scale, chunk_size)
+        shard = one_pass_shard(inputs, h0, layout, scale, chunk_size, kernel)
         M, B = one_pass_map(shard, layout)
         Ms, Bs = (torch.stack(_all_gather(x, group)) for x in (M, B))
         carry = fold_maps_batched(Ms, Bs, layout.rank)
         o, ht = corrected(shard, carry, layout)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, carry, Ms, shard.M, shard.R)
-        ctx.layout, ctx.scale, ctx.chunk_size, ctx.group = layout, scale, chunk_size, group
+        ctx.layout, ctx.scale, ctx.chunk_size, ctx.group, ctx.kernel = (
+            layout,
+            scale,
+            chunk_size,
+            group,
+            kernel,
+        )
         return o, _final_rows(layout, ht)
 
     @staticmethod
@@ -563,8 +605,11 @@ class OnePassKDA(torch.autograd.Function):
         G = torch.zeros_like(carry)
         if layout.takes_in:
             rows_in = list(layout.in_rows)
-            do_in = do[:, : R_in.shape[1]].to(R_in.dtype)
-            G = torch.einsum("cthk,cthv->chkv", R_in, do_in) + M_in.transpose(-1, -2) @ dht[rows_in]
+            do_in = do[:, : R_in.shape[1]].to(carry.dtype)
+            G = (
+                torch.einsum("cthk,cthv->chkv", R_in.to(carry.dtype), do_in)
+                + M_in.transpose(-1, -2) @ dht[rows_in]
+            )
         Gs = torch.stack(_all_gather(G, group))  # every rank takes part in the collective
         if layout.gives_out:
             dht[list(layout.out_rows)] = fold_grads_batched(Ms, Gs, layout.rank)
@@ -572,7 +617,8 @@ class OnePassKDA(torch.autograd.Function):
             xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
             zero = torch.zeros_like(carry)
             h0 = _local_state(layout, initial_state, zero, zero[0]).detach().requires_grad_()
-            o, ht = corrected(one_pass_shard(xs, h0, layout, scale, chunk_size), carry, layout)
+            shard = one_pass_shard(xs, h0, layout, scale, chunk_size, ctx.kernel)
+            o, ht = corrected(shard, carry, layout)
             grads = torch.autograd.grad((o, ht), [*xs, h0], (do, dht), allow_unused=True)
         grads = [torch.zeros_like(x) if gx is None else gx for x, gx in zip([*xs, h0], grads, strict=True)]
         d_initial = None
@@ -581,7 +627,7 @@ class OnePassKDA(torch.autograd.Function):
             for p, n in enumerate(layout.seq_ids):
                 if layout.starts[p]:
                     d_initial[n] = grads[5][p]
-        return (*grads[:5], d_initial, None, None, None, None)
+        return (*grads[:5], d_initial, None, None, None, None, None)
 
 
 def context_parallel_kda(
@@ -621,9 +667,10 @@ def context_parallel_kda(
             `"sequential"` (each rank waits for the state of the previous one) or `"one_pass"` (as scan,
             but each shard runs once and its outputs are corrected with the incoming state).
         kernel: the single-device function run on each shard, with `chunk_kda`'s signature; `chunk_kda`
-            when None, `reference_kernel` for plain PyTorch. `"one_pass"` runs its own chunked pass in
-            plain PyTorch (it needs the chunks' factors, which a kernel does not return): None or
-            `reference_kernel` there.
+            when None, `reference_kernel` for plain PyTorch. With `"one_pass"`, None or `reference_kernel`
+            runs the plain-PyTorch pass that reads R and M off the chunks' own factors
+            (`chunk_pass_with_carry`); any other kernel runs once on K extra identity columns
+            (`kernel_pass_with_carry`).
         group: the process group; the default group when None.
         chunk_size: the chunk of `"one_pass"`'s chunked pass (the other schemes' kernel chooses its own).
 
@@ -634,11 +681,8 @@ def context_parallel_kda(
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if scheme == "one_pass" and kernel not in (None, reference_kernel):
-        raise ValueError(
-            "kernel must be None or reference_kernel with scheme 'one_pass' (it runs its own chunked pass, "
-            f"which keeps the chunks' factors), got {getattr(kernel, '__name__', kernel)!r}"
-        )
+    if kernel is not None and not callable(kernel):
+        raise ValueError(f"kernel must be None or a function with chunk_kda's signature, got {kernel!r}")
     chunk_size = check_chunk_size(chunk_size)
     if not dist.is_initialized():
         raise RuntimeError("context_parallel_kda needs torch.distributed initialised (init_process_group)")
@@ -668,7 +712,8 @@ def context_parallel_kda(
     rank = dist.get_rank(group)
     layout = shard_layout(lengths, rank, B, cu)
     if scheme == "one_pass":
-        o, final = OnePassKDA.apply(q, k, v, g, beta, initial_state, scale, layout, chunk_size, group)
+        own = None if kernel in (None, reference_kernel) else kernel  # None: the chunks' own factors
+        o, final = OnePassKDA.apply(q, k, v, g, beta, initial_state, scale, layout, chunk_size, group, own)
         return o, final if output_final_state else None
     o, final = ContextParallelKDA.apply(
         q, k, v, g, beta, initial_state, scale, layout, kernel or default_kernel(), scheme, group

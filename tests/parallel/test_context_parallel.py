@@ -25,6 +25,7 @@ from kda_edu.parallel.context_parallel import (
     fold_grads_batched,
     fold_maps,
     fold_maps_batched,
+    kernel_pass_with_carry,
     one_pass_shard,
     reference_kernel,
     shard_layout,
@@ -134,6 +135,18 @@ CASES_2 = [
 if not torch.cuda.is_available():
     CASES_2.append(
         ("chunk_kda, scan", (1, 32, 1, 1, 16, 16), None, [16, 16], "scan", "chunk_kda", torch.float32, True)
+    )
+    CASES_2.append(  # the one pass through the kernel: identity columns, gradients from its backward
+        (
+            "chunk_kda, one_pass",
+            (1, 32, 1, 1, 16, 16),
+            None,
+            [16, 16],
+            "one_pass",
+            "chunk_kda",
+            torch.float32,
+            True,
+        )
     )
 # a sequence over all four ranks, one of length 0, one of length 1, a boundary inside a sequence
 VARLEN_4 = [0, 3, 3, 17, 29, 30]
@@ -301,7 +314,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="scheme"):
         context_parallel_kda(*args, scheme="ring")
     with pytest.raises(ValueError, match="kernel"):
-        context_parallel_kda(*args, scheme="one_pass", kernel=lambda *a, **kw: None)
+        context_parallel_kda(*args, scheme="one_pass", kernel="chunk_kda")
     with pytest.raises(ValueError, match="chunk_size"):
         context_parallel_kda(*args, scheme="one_pass", chunk_size=0)
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -320,6 +333,19 @@ def test_chunk_pass_with_carry_reads_and_carries_any_entering_state():
         want_o, want_ht = kda_recurrent(*inputs, initial_state=h0 + S, output_final_state=True)
         assert rel(o + torch.einsum("bthk,bhkv->bthv", R, S), want_o) <= TOL[torch.float64]
         assert rel(ht + M @ S, want_ht) <= TOL[torch.float64]
+
+
+@pytest.mark.parametrize("V", [3, 254], ids=["one call", "two calls"])  # V + K = 7 and 258 (> 256)
+def test_a_kernel_gives_the_carry_maps_of_the_chunk_factors(V):
+    """`kernel_pass_with_carry` (a kernel on K extra identity columns, as a Triton kernel would run it) gives
+    the (o, ht, M, R) of `chunk_pass_with_carry` (the chunks' own factors), in one call or, past 256
+    columns, two: the float64 reference kernel stands in for chunk_kda."""
+    case = make_case(2, 11, 2, 4, 4, V, torch.float64, seed=5)
+    inputs = tuple(case[n] for n in NAMES[:5])
+    want = chunk_pass_with_carry(*inputs, 0.5, case["initial_state"], chunk_size=3)
+    got = kernel_pass_with_carry(reference_kernel, *inputs, 0.5, case["initial_state"])
+    for name, a, b in zip("o ht M R".split(), got, want, strict=True):
+        assert a.shape == b.shape and rel(a, b) <= TOL[torch.float64], name
 
 
 def test_one_pass_shard_gives_the_same_map_as_shard_map():

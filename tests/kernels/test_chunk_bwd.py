@@ -116,16 +116,14 @@ def test_forward_with_autograd_is_the_inference_forward():
     assert torch.equal(plain[0], trained[0].detach()) and torch.equal(plain[1], trained[1].detach())
 
 
-@pytest.mark.parametrize("mode", ["matrices", "all"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_kept_intermediates_give_the_same_bits(varlen, mode):
+def test_kept_intermediates_give_the_same_bits(varlen):
     """keep_intermediates hands some of the forward's buffers to the backward instead of recomputing them
     (all of them; or X, Aqk and qg, and the w/u kernel remakes the rest): the same arithmetic on the same
     inputs, so outputs and all six gradients agree with those of "none" within 1e-6 relative (a few float32
     roundings; chapter 9 states the same bound; a buffer handed over wrongly is off by order 1). The first
     backward empties the kept buffers; a second one (retain_graph) recomputes and agrees too. The dense case
-    spells "all" as True, its documented synonym."""
-    kept_names = set(chunk_common.KEEP_MODES[chunk_common.keep_mode(mode)])
+    spells "all" as True, its documented synonym. Both modes against one run that keeps nothing."""
     if varlen:
         inputs, do, dht = make_inputs(1, 140, 1, 2, 16, 32, n_states=3)
         cu = torch.tensor([0, 70, 75, 140], device=DEVICE)
@@ -134,12 +132,13 @@ def test_kept_intermediates_give_the_same_bits(varlen, mode):
         cu = None
 
     def run(keep, backwards=1):
+        kept_names = set(chunk_common.KEEP_MODES[chunk_common.keep_mode(keep)]) if keep else set()
         xs = [x.detach().clone().requires_grad_() for x in inputs]
         o, ht = chunk_kda(
             *xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, keep_intermediates=keep
         )
         kept = o.grad_fn.kept
-        assert (set(kept) if kept is not None else set()) == (kept_names if keep else set())
+        assert (set(kept) if kept is not None else set()) == kept_names
         loss = (o * do).sum() + (ht * dht).sum()
         out = []
         for i in range(backwards):
@@ -149,10 +148,11 @@ def test_kept_intermediates_give_the_same_bits(varlen, mode):
         return (o.detach(), ht.detach()), out
 
     (o_a, ht_a), (grads_a,) = run(False)
-    (o_b, ht_b), (grads_b, grads_again) = run(True if mode == "all" and not varlen else mode, backwards=2)
-    assert rel_rms(o_b, o_a) <= 1e-6 and rel_rms(ht_b, ht_a) <= 1e-6
-    for name, a, b, c in zip(NAMES, grads_a, grads_b, grads_again, strict=True):
-        assert rel_rms(b, a) <= 1e-6 and rel_rms(c, a) <= 1e-6, name
+    for mode in ("matrices", "all"):
+        (o_b, ht_b), (grads_b, grads_again) = run(True if mode == "all" and not varlen else mode, backwards=2)
+        assert rel_rms(o_b, o_a) <= 1e-6 and rel_rms(ht_b, ht_a) <= 1e-6, mode
+        for name, a, b, c in zip(NAMES, grads_a, grads_b, grads_again, strict=True):
+            assert rel_rms(b, a) <= 1e-6 and rel_rms(c, a) <= 1e-6, (mode, name)
 
 
 @pytest.mark.parametrize("bad", ["yes", "w", 1, None])

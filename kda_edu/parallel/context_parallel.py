@@ -540,13 +540,20 @@ class ContextParallelKDA(torch.autograd.Function):
                 if layout.gives_out:
                     dht[rows_out] = d_out
                 grads = _vjp(kernel, inputs, h0, layout, scale, do, dht)
-        d_initial = None
-        if initial_state is not None and ctx.needs_input_grad[5]:
-            d_initial = torch.zeros_like(initial_state)
-            for p, n in enumerate(layout.seq_ids):
-                if layout.starts[p]:
-                    d_initial[n] = grads[5][p]
+        d_initial = _initial_state_grad(layout, initial_state, grads[5], ctx.needs_input_grad[5])
         return (*grads[:5], d_initial, None, None, None, None, None)
+
+
+def _initial_state_grad(layout: ShardLayout, initial_state, piece_grads, needed: bool):
+    """The gradient of `initial_state` from the pieces' initial-state gradients: the rows of the sequences
+    that start in this shard, zeros elsewhere (None when there is no initial state or it needs none)."""
+    if initial_state is None or not needed:
+        return None
+    d_initial = torch.zeros_like(initial_state)
+    for p, n in enumerate(layout.seq_ids):
+        if layout.starts[p]:
+            d_initial[n] = piece_grads[p]
+    return d_initial
 
 
 def _final_rows(layout: ShardLayout, ht: torch.Tensor) -> torch.Tensor:
@@ -621,12 +628,7 @@ class OnePassKDA(torch.autograd.Function):
             o, ht = corrected(shard, carry, layout)
             grads = torch.autograd.grad((o, ht), [*xs, h0], (do, dht), allow_unused=True)
         grads = [torch.zeros_like(x) if gx is None else gx for x, gx in zip([*xs, h0], grads, strict=True)]
-        d_initial = None
-        if initial_state is not None and ctx.needs_input_grad[5]:
-            d_initial = torch.zeros_like(initial_state)
-            for p, n in enumerate(layout.seq_ids):
-                if layout.starts[p]:
-                    d_initial[n] = grads[5][p]
+        d_initial = _initial_state_grad(layout, initial_state, grads[5], ctx.needs_input_grad[5])
         return (*grads[:5], d_initial, None, None, None, None, None)
 
 

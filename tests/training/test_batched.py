@@ -8,6 +8,7 @@ import torch
 from kda_edu.layers.mixers import MixerConfig
 from kda_edu.models.recall import RecallConfig
 from kda_edu.training.batched import check_batchable, copy_configs, train_batched
+from kda_edu.training.sweep import PRESETS, run_batched, run_one, run_sweep
 from kda_edu.training.tasks import MQAR
 from kda_edu.training.train import TrainConfig, train
 
@@ -76,3 +77,34 @@ def test_bad_arguments_are_refused():
         check_batchable(triton, [BASE], "cpu")
     # the kinds without a kernel batch under any backend
     check_batchable(replace(triton, mixer=replace(triton.mixer, kind="attention")), [BASE], "cpu")
+
+
+def test_a_sweep_trains_the_seeds_and_rates_of_a_cell_as_one_batched_run(tmp_path, monkeypatch):
+    """`run_sweep(batched=4)` hands the 4 runs of its one cell (2 seeds x 2 rates) to one worker as one batched
+    run; each record is the record `run_one` writes for that run (float32, two steps: to 1e-5) and says so."""
+    tiny = {
+        **PRESETS["quick"],
+        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_size": 4},
+        "tasks": {"mqar": {"lengths": [16], "pairs_per_token": 1 / 8, "num_keys": 4, "num_values": 4}},
+        "mixers": ["linear_attention"],
+        "seeds": [0, 1],
+        "lrs": [2e-3, 5e-3],
+    }
+    monkeypatch.setitem(PRESETS, "tiny", tiny)
+    with pytest.raises(ValueError, match="not both"):
+        run_sweep("tiny", tmp_path / "no.json", device="cpu", batched=2, together=2)
+    with pytest.raises(ValueError, match="batched must be an int >= 1"):
+        run_sweep("tiny", tmp_path / "no.json", device="cpu", batched=0)
+    data = run_sweep("tiny", tmp_path / "sweep.json", workers=1, device="cpu", batched=4)
+    assert data["invocations"][-1]["batched"] == 4 and len(data["runs"]) == 4
+    assert len({r["invocation"] for r in data["runs"]}) == 1
+    for record in data["runs"]:
+        assert record["batched"] == 4
+        spec = {k: record[k] for k in ("task", "seq_len", "mixer", "lr", "seed")}
+        alone = run_one(tiny, spec)
+        assert record["train_config"] == alone["train_config"]
+        for a, b in zip(record["history"], alone["history"], strict=True):
+            for key in ("train_loss", "eval_loss", "eval_acc"):
+                assert a[key] == pytest.approx(b[key], abs=1e-5), (spec, key)
+    with pytest.raises(ValueError, match="one task, length and mixer"):
+        run_batched(tiny, [{**spec, "mixer": "kda"}, spec])

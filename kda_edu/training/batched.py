@@ -209,17 +209,18 @@ def _adamw_step(params, grads, exp_avg, exp_avg_sq, step: int, lrs, weight_decay
     beta1, beta2 = BETAS
     lr = torch.tensor(lrs, dtype=torch.float64)
     bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
-    shrink = (1 - lr * weight_decay).to(dtype)
-    step_size = (lr / bias1).to(dtype)
+    device = next(iter(params.values())).device  # one copy of the per-copy factors to the device per step
+    shrink = (1 - lr * weight_decay).to(device, dtype)
+    step_size = (lr / bias1).to(device, dtype)
     for name, p in params.items():
         view = (-1, *[1] * (p.dim() - 1))
         g, m, v = grads[name], exp_avg[name], exp_avg_sq[name]
         if decayed[name]:
-            p.mul_(shrink.to(p.device).view(view))
+            p.mul_(shrink.view(view))
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / bias2_sqrt).add_(EPS)
-        p.sub_(step_size.to(p.device).view(view) * m / denom)
+        p.sub_(step_size.view(view) * m / denom)
 
 
 @torch.no_grad()

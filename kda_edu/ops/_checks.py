@@ -61,6 +61,19 @@ def value_checks_enabled(device: torch.device) -> bool:
     return device.type == "cpu" or os.environ.get("KDA_EDU_DEBUG", "0") not in ("", "0")
 
 
+def under_vmap() -> bool:
+    """Whether the caller runs inside `torch.func.vmap` (at any depth of torch.func's transforms).
+
+    Under vmap a tensor stands for a whole stack of tensors (one per batched copy), and reading a value of it on
+    the host (`bool(t.all())`, `t.item()`) is refused: there is no one value to read. The value checks are then
+    skipped, as during a CUDA graph capture; the shape, dtype and device checks, which read only metadata, stay.
+    """
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
 def format_value(x: torch.Tensor) -> str:
     """A one-element tensor's value with the fewest digits that tell it apart from every other value of its
     dtype: 1.0000001 for the float32 just above 1 (which `:.4g` would print as 1), 0.1 for float32 0.1."""
@@ -247,7 +260,9 @@ def check_kda_inputs(
     # The value checks read a reduction back to the host, which is not allowed while a CUDA graph is being
     # captured (the capture fails with "operation not permitted when stream is capturing"): a captured step
     # keeps the shape, dtype and device checks, and its inputs were checked by the ordinary step before it.
-    if check_values and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # Under torch.func.vmap (the batched trainer of chapter 12 trains several models at once) there is no one
+    # value to read either (`under_vmap`).
+    if check_values and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) and not under_vmap():
         # Written as "all values inside the range" so that NaN, which fails every comparison, is caught too.
         if g is not None and not bool((g <= 0).all()):
             raise ValueError(

@@ -17,6 +17,11 @@ than once per run. A run's numbers do not depend on the worker or on what ran be
 its model, optimiser and data from its own seed, and nothing else it reads is process-wide state that a run
 changes. A worker whose run raised is retired (its CUDA context may be broken) and a fresh one takes its place.
 
+With `--batched M` a worker trains up to M runs of one cell (same task, length and mixer; other seeds and
+learning rates) as one batched run (`run_batched`, `kda_edu.training.batched.train_batched`): the M models
+stacked and trained by one vmapped step, which costs about as many kernel launches as one run. Each run keeps
+its own record; `seconds` is then the group's wall time divided by M.
+
 `summarize` reduces the runs as the Kimi Linear report does: for every task, length and mixer it takes the
 learning rate with the best mean final accuracy over the seeds, and reports that rate's mean, min and max.
 Chapter 12 reads the results (`kda_edu.chapters.ch12_recall_sweep`: the tables and figures).
@@ -42,8 +47,9 @@ import torch
 
 from kda_edu.layers.mixers import DELTA_RULE_KINDS, KINDS, LABELS, MixerConfig, TokenMixer
 from kda_edu.models.recall import RecallConfig
+from kda_edu.training.batched import check_batchable, train_batched
 from kda_edu.training.tasks import make_task, task_to_dict
-from kda_edu.training.train import EVAL_BATCH, GATE_PARAMETERS, TrainConfig, train
+from kda_edu.training.train import EVAL_BATCH, GATE_PARAMETERS, TrainConfig, TrainResult, train
 
 # Task parameters besides the length; MQAR's number of pairs grows with the length (`pairs_per_token`).
 PRESETS = {
@@ -192,6 +198,38 @@ def run_one(preset: dict, spec: dict, device: str = "cpu") -> dict:
     """Train one run of a preset and return its record (configs, accuracy curve, wall time)."""
     task, model_config, train_config = run_setup(preset, spec)
     result = train(task, model_config, train_config, device=device, progress=False)
+    return _record(spec, task, model_config, train_config, result, device)
+
+
+def batch_key(spec: dict) -> tuple:
+    """What runs trained together by `run_batched` share: task, length and mixer (they differ in seed and rate)."""
+    return (spec["task"], spec["seq_len"], spec["mixer"])
+
+
+def run_batched(preset: dict, specs: list[dict], device: str = "cpu") -> list[dict]:
+    """Train the runs `specs` of a preset together (`kda_edu.training.batched.train_batched`) and return a
+    record per run, as `run_one` writes it, with `batched` (how many runs were trained together; `seconds` is
+    the group's wall time divided by that).
+
+    Raises:
+        ValueError: `specs` is empty or differs in task, length or mixer, or `train_batched` refuses them.
+    """
+    if not specs or any(batch_key(sp) != batch_key(specs[0]) for sp in specs):
+        raise ValueError(
+            f"run_batched needs one or more specs of one task, length and mixer, got {[batch_key(sp) for sp in specs]}"
+        )
+    setups = [run_setup(preset, spec) for spec in specs]
+    task, model_config = setups[0][:2]
+    results = train_batched(task, model_config, [c for _, _, c in setups], device=device)
+    return [
+        {**_record(spec, task, model_config, config, result, device), "batched": len(specs)}
+        for spec, (_, _, config), result in zip(specs, setups, results, strict=True)
+    ]
+
+
+def _record(
+    spec, task, model_config: RecallConfig, train_config: TrainConfig, result: TrainResult, device
+) -> dict:
     return {
         **spec,
         "final_acc": result.final_accuracy,
@@ -234,6 +272,14 @@ class RunOutcome:
     wall: float
 
 
+def _run_batched_caught(preset: dict, specs: list[dict], device: str) -> list[tuple[dict | None, str | None]]:
+    """`run_batched`'s records, each as `(record, None)`, or the traceback for every spec when it raised."""
+    try:
+        return [(record, None) for record in run_batched(preset, specs, device)]
+    except Exception as error:  # noqa: BLE001 - reported to the sweep, which records it
+        return [(None, "".join(traceback.format_exception(error)))] * len(specs)
+
+
 def _run_caught(preset: dict, spec: dict, device: str) -> tuple[dict | None, str | None]:
     """`(run_one's record, None)`, or `(None, traceback)`; on CUDA the run's work goes to a stream of its own,
     so the runs of a group (one thread each) can share the GPU at once."""
@@ -248,9 +294,9 @@ def _run_caught(preset: dict, spec: dict, device: str) -> tuple[dict | None, str
 
 
 def _work(conn, threads: int) -> None:
-    """A worker process: train the `(preset, specs, device)` jobs received on `conn` one after another (the
-    specs of one job at the same time, one thread each) and send back one `(record, error)` per spec; stop on
-    None, or after a job in which a run failed."""
+    """A worker process: train the `(preset, specs, device, batched)` jobs received on `conn` one after another
+    (the specs of one job at the same time: one thread each, or, when `batched`, as one `run_batched`) and send
+    back one `(record, error)` per spec; stop on None, or after a job in which a run failed."""
     torch.set_num_threads(threads)
     while True:
         try:
@@ -259,8 +305,10 @@ def _work(conn, threads: int) -> None:
             return
         if job is None:
             return
-        preset, specs, device = job
-        if len(specs) == 1:
+        preset, specs, device, batched = job
+        if batched:
+            results = _run_batched_caught(preset, specs, device)
+        elif len(specs) == 1:
             results = [_run_caught(preset, specs[0], device)]
         else:
             with ThreadPoolExecutor(len(specs)) as threads_of_job:
@@ -293,7 +341,7 @@ class RunPool:
             (1: a fresh process per run); None keeps each worker for the whole sweep.
 
     `submit` hands one run, or a group of runs that the worker trains at the same time (in threads, on CUDA
-    each on its own stream), to an idle worker, starting one if that place has none; `next_results` waits for
+    each on its own stream, or with `batched=True` as one batched run, `run_batched`), to an idle worker, starting one if that place has none; `next_results` waits for
     the next job to finish. A worker in which a run raised, or that died (killed, crashed), is replaced by a
     fresh process for the next job, so a broken CUDA context never reaches another run.
     """
@@ -315,14 +363,20 @@ class RunPool:
         """Runs under way."""
         return sum(len(slot.job) for slot in self.slots if slot.job is not None)
 
-    def submit(self, preset: dict, *specs: dict) -> str:
-        """Hand the runs `specs` of `preset` to an idle worker, to train at the same time; returns its device."""
+    def submit(self, preset: dict, *specs: dict, batched: bool = False) -> str:
+        """Hand the runs `specs` of `preset` to an idle worker, to train at the same time (with `batched`, as
+        one `run_batched`); returns its device."""
         if not specs:
             raise ValueError("RunPool.submit needs at least one spec")
         slot = next((s for s in self.slots if s.job is None), None)
         if slot is None:
             raise RuntimeError("RunPool.submit: every worker is busy; call next_results first")
-        if len(specs) > 1 and slot.device.startswith("cuda") and preset["train"].get("cuda_graph"):
+        if (
+            not batched
+            and len(specs) > 1
+            and slot.device.startswith("cuda")
+            and preset["train"].get("cuda_graph")
+        ):
             # Measured on the H200: two threads capturing CUDA graphs at once
             # invalidate each other's capture (cudaErrorStreamCaptureInvalidated), so every run fails.
             raise ValueError(
@@ -336,7 +390,7 @@ class RunPool:
             child.close()
             slot.runs = 0
         slot.job, slot.submitted = list(specs), time.perf_counter()
-        slot.conn.send((preset, slot.job, slot.device))
+        slot.conn.send((preset, slot.job, slot.device, batched))
         return slot.device
 
     def next_results(self) -> list[RunOutcome]:
@@ -466,6 +520,7 @@ def run_sweep(
     skip: tuple[tuple[str, int], ...] = (),
     runs_per_worker: int | None = None,
     together: int = 1,
+    batched: int = 1,
 ) -> dict:
     """Run (or continue) the sweep of `PRESETS[preset_name]`, writing `out` (.json) and its .csv twin.
 
@@ -487,12 +542,21 @@ def run_sweep(
         together: runs a worker trains at the same time (consecutive runs of the sweep's order, one thread
             each, on CUDA each on its own stream, so their kernels can overlap, which separate processes'
             kernels cannot without MPS).
+        batched: train up to this many runs that differ only in seed and learning rate (same task, length and
+            mixer) as one batched run in one worker (`run_batched`: one vmapped model, one step for all of
+            them); 1 trains every run on its own. Not with `together` > 1.
 
     Returns:
         The results dict as written.
     """
     preset = PRESETS[preset_name]
     out = Path(out)
+    if isinstance(batched, bool) or not isinstance(batched, int) or batched < 1:
+        raise ValueError(f"batched must be an int >= 1 (runs per batched run; 1: off), got {batched!r}")
+    if batched > 1 and together > 1:
+        raise ValueError(
+            f"pass batched > 1 or together > 1, not both (got batched={batched}, together={together})"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device != "cuda" and preset["train"].get("cuda_graph"):
         # Every run would fail at its first step; say so once instead (a CUDA set-up gone wrong, usually).
@@ -521,6 +585,7 @@ def run_sweep(
         "workers": workers,
         "runs_per_worker": runs_per_worker,
         "together": together,
+        "batched": batched,
         # bench/device/mps.sh sets KDA_EDU_MPS when the workers share the GPU through NVIDIA's MPS.
         "mps": os.environ.get("KDA_EDU_MPS") == "1",
         "minutes": 0.0,
@@ -534,6 +599,11 @@ def run_sweep(
         flush=True,
     )
     start = time.perf_counter()
+    if batched > 1:  # refuse once, before any worker starts, what every batched run would refuse
+        for mixer in {sp["mixer"] for sp in todo}:
+            spec = next(sp for sp in todo if sp["mixer"] == mixer)
+            _, model_config, train_config = run_setup(preset, spec)
+            check_batchable(model_config, [train_config], device)
     if todo and device == "cuda" and preset["mixer"].get("backend") == "triton":
         warm_up_kernels(preset)
 
@@ -561,9 +631,13 @@ def run_sweep(
             out_of_time = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
             while pool.idle() and not out_of_time:
                 batch = [sp for sp in todo if fits(sp)][:together]
+                if (
+                    batch and batched > 1
+                ):  # the first run that fits, and the runs that differ from it in seed and rate
+                    batch = [sp for sp in todo if fits(sp) and batch_key(sp) == batch_key(batch[0])][:batched]
                 if not batch:
                     break
-                pool.submit(preset, *batch)
+                pool.submit(preset, *batch, batched=batched > 1)
                 todo = [sp for sp in todo if sp not in batch]
             if not pool.busy():
                 break
@@ -671,6 +745,13 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="runs a worker trains at the same time (threads, CUDA streams)",
     )
+    parser.add_argument(
+        "--batched",
+        type=int,
+        default=1,
+        help="train up to this many runs of one task, length and mixer (other seeds and rates) as one batched "
+        "run (vmap over stacked models); default 1: every run on its own",
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the runs and exit")
     parser.add_argument(
         "--cost", action="store_true", help="report the GPU-minutes recorded in --out and exit"
@@ -702,6 +783,7 @@ def main(argv: list[str] | None = None) -> None:
         skip=skip,
         runs_per_worker=args.runs_per_worker,
         together=args.together,
+        batched=args.batched,
     )
     for row in summarize(data["runs"]):
         print(

@@ -186,12 +186,18 @@ def build_model(model_config: RecallConfig, seed: int) -> RecallLM:
         return RecallLM(model_config)
 
 
+def is_decayed(name: str, parameter: torch.Tensor) -> bool:
+    """Whether AdamW's weight decay applies to the parameter `name`: to the weight matrices, the embedding and
+    the convolution kernels (two or more dimensions), not to norm weights, biases or the gates'
+    `GATE_PARAMETERS`, whatever their shape."""
+    return parameter.dim() >= 2 and name.rsplit(".", 1)[-1] not in GATE_PARAMETERS
+
+
 def make_optimizer(model: RecallLM, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on the weight matrices, the embedding and the convolution kernels only: not on
-    norm weights, biases or the gates' `GATE_PARAMETERS`, whatever their shape."""
+    """AdamW with weight decay where `is_decayed` says so, none elsewhere."""
     named = list(model.named_parameters())
-    decay = [p for n, p in named if p.dim() >= 2 and n.rsplit(".", 1)[-1] not in GATE_PARAMETERS]
-    no_decay = [p for n, p in named if p.dim() < 2 or n.rsplit(".", 1)[-1] in GATE_PARAMETERS]
+    decay = [p for n, p in named if is_decayed(n, p)]
+    no_decay = [p for n, p in named if not is_decayed(n, p)]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

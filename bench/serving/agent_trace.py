@@ -220,11 +220,11 @@ def prompt_lengths(session: AgentSession) -> int:
 
 def merged_runs(path: Path, result: dict, models: list[str], caches: tuple[bool, ...]) -> list[dict]:
     """The runs of the file at `path` (if any) that this call does not redo; the file must describe the same
-    workload, size, dtype and engine settings."""
+    workload, size, dtype, model dimensions and engine settings."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    for key in ("size", "dtype", "workload", "engine"):
+    for key in ("size", "dtype", "workload", "model", "engine"):
         if old.get(key) != result[key]:
             raise ValueError(f"--merge: {path} has {key} = {old.get(key)!r}, this call {result[key]!r}")
     return [r for r in old["runs"] if not (r["model"] in models and r["prefix_cache"] in caches)]
@@ -277,6 +277,8 @@ def main(argv=None) -> dict:
         args.agents, vocab_size=probe.vocab_size, scale=args.scale, seed=args.seed, max_turns=args.max_turns
     )
     warmup = agent_sessions(2, vocab_size=probe.vocab_size, scale=args.scale, seed=args.seed + 1, max_turns=2)
+    tools = [len(t.tool_output) for s in sessions for t in s.turns]
+    news = [t.max_new_tokens for s in sessions for t in s.turns]
     caches = {"both": (True, False), "on": (True,), "off": (False,)}[args.prefix_cache]
     result = dict(
         environment=run_environment(),
@@ -288,9 +290,13 @@ def main(argv=None) -> dict:
             seed=args.seed,
             max_turns=args.max_turns,
             turns=sum(len(s.turns) for s in sessions),
+            system_tokens=len(sessions[0].system_prompt),
+            tool_tokens=[min(tools), max(tools)],
+            new_tokens=[min(news), max(news)],
             longest_history=max(s.history_tokens for s in sessions),
             prompt_tokens=sum(prompt_lengths(s) for s in sessions),
         ),
+        model=dict(d_model=probe.d_model, n_layers=probe.n_layers, vocab_size=probe.vocab_size),
         engine=dict(block_size=args.block_size, token_budget=args.token_budget, pool_factor=args.pool_factor),
         runs=[],
     )

@@ -10,9 +10,11 @@ step that finished its previous one, and the first turns of all agents are added
 Per turn: the time to first token (TTFT), wall time from `add_request` to the end of the step that produced
 the request's first token (on a GPU after `torch.cuda.synchronize`), the prompt's length and the prompt tokens
 the prefix cache supplied. Per run: TTFT p50 and p90 over all turns, generated tokens per second (all replies'
-tokens over the run's wall time), peak GPU memory (`torch.cuda.max_memory_allocated`, reset before the
-run; None on a CPU), the prefix-cache hit rate (hit / looked-up prompt tokens, `Engine.summary`), the engine's
-counters, and the wall time. Before each model's two timed runs, a short untimed replay (two agents, two
+tokens over the run's wall time), peak GPU memory (`torch.cuda.max_memory_allocated`, reset after the
+engine is made: the weights, the preallocated pools, whose size `--pool-factor` sets, and everything the run
+allocates, KDA snapshots included; None on a CPU), the memory the caches needed (the most blocks held at
+once times `block_bytes`, the most KDA snapshots kept times `snapshot_bytes`), the prefix-cache hit rate
+(hit / looked-up prompt tokens, `Engine.summary`), the engine's counters, and the wall time. Before each model's two timed runs, a short untimed replay (two agents, two
 turns) compiles the kernels.
 
 Sizes. `--size tiny` (the default): a model of width 32 on the CPU, sessions at `scale = 1/256` of an
@@ -25,8 +27,9 @@ without prefix caching recompute every history (about 27M prompt tokens per run)
 starting new turns in a run after that many seconds (the turns under way finish); such a run records
 `cut_short: true` and the turns it did. The file is written after every run; with `--merge`, the runs already
 in it for the same workload and settings are kept, so that several calls (`--models`, `--prefix-cache`) can
-make the six runs. Expect a few minutes per run at `--size gpu` (the engine's step is a Python loop over the
-pieces and layers): one model per call keeps each call short.
+make the six runs. At `--size gpu` a run takes some thousands of engine steps (without prefix caching about
+7M prompt tokens in chunks of `--token-budget`, and one step per reply token of the slowest agent's turns),
+each a Python loop over the step's pieces and the layers: one model per call keeps each call short.
 
     python -m bench.serving.agent_trace --out DIR                     # tiny, CPU: DIR/agent_trace_cpu.json
     python -m bench.serving.agent_trace --size gpu --out DIR          # GPU: DIR/agent_trace_<gpu>.json

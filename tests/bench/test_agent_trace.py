@@ -122,3 +122,19 @@ def test_merge_keeps_the_runs_a_call_does_not_redo_and_refuses_another_workload(
     assert [(r["model"], r["prefix_cache"]) for r in again["runs"]] == [("mla", False), ("mla", True)]
     with pytest.raises(ValueError, match="--merge: .* has workload"):
         main(small[:3] + ["3"] + small[4:] + ["--merge"])
+
+
+def test_a_short_history_still_gets_one_turn_cut_to_fit():
+    """A system prompt of 10 tokens in a history of 14: the first turn draws 8 + 4 tokens and is cut to
+    1 + 3; any later turn would not fit."""
+    sessions = agent_sessions(3, vocab_size=50, history=(10, 14), tool_tokens=(8, 8), new_tokens=(4, 4))
+    for s in sessions:
+        assert [(len(t.tool_output), t.max_new_tokens) for t in s.turns] == [(1, 3)]
+        assert s.history_tokens == 14
+
+
+def test_a_time_limit_stops_new_turns_and_says_so(tmp_path):
+    args = ["--out", str(tmp_path), "--agents", "3", "--max-turns", "3", "--models", "mla"]
+    result = main(args + ["--prefix-cache", "on", "--time-limit-s", "0"])
+    (run,) = result["runs"]
+    assert run["cut_short"] and run["turns_done"] == 3 and {t["turn"] for t in run["turns"]} == {0}

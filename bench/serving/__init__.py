@@ -1,0 +1,1 @@
+"""Serving benchmarks: workloads replayed through the serving engine, measured end to end."""

@@ -349,3 +349,28 @@ def test_kernel_path_matches_the_model():
         expected = full[len(r.prompt) - 1 : len(r.tokens) - 1]
         torch.testing.assert_close(torch.stack(r.logits), expected, rtol=1e-4, atol=1e-4)
         assert r.output == expected.argmax(-1).tolist()
+
+
+def test_a_waiting_request_hashes_its_prompt_once(monkeypatch):
+    """The second request waits while the first runs (a pool of 7 blocks holds one of them at a time): its
+    prompt's block hashes are computed once, not at every step's admission attempt; reading a part of a
+    request's tokens copies only that part and equals slicing the whole history."""
+    import kda_edu.models.serving.engine as engine_module
+
+    calls = []
+
+    def counted(tokens, block_size):
+        calls.append(len(tokens))
+        return prefix_hashes(tokens, block_size)
+
+    monkeypatch.setattr(engine_module, "prefix_hashes", counted)
+    model = make_model("KKKA")
+    engine = Engine(model, block_size=4, num_blocks=7, token_budget=8, max_running=2)
+    a = engine.add_request(ids(10, 11), 5)
+    b = engine.add_request(ids(9, 12), 3, keep_logits=True)
+    engine.run()
+    assert engine.stats["steps"] > 6 and sorted(calls) == [9, 10]
+    r = engine.requests[a]
+    for start, end in [(0, 3), (8, 12), (10, 15), (0, r.num_tokens)]:
+        assert r.tokens_between(start, end) == r.tokens[start:end]
+    check_request(model, engine, b)

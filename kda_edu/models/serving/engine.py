@@ -198,7 +198,7 @@ class Engine:
         """One pass of the model over the packed pieces; returns (next-token logits per piece, snapshots
         per piece: block index -> (state, window))."""
         model, device = self.model, self.model.embed.weight.device
-        ids = torch.tensor([t for r, a, b in pieces for t in r.tokens[a:b]], device=device)
+        ids = torch.tensor([t for r, a, b in pieces for t in r.tokens_between(a, b)], device=device)
         x = model.embed(ids)[None]  # [1, N, D]
         mla_pieces = [(r.table, a, b) for r, a, b in pieces]
         kda_pieces = [(r.slot, b - a, s) for (r, a, b), s in zip(pieces, splits, strict=True)]
@@ -225,11 +225,12 @@ class Engine:
             decoding = not r.prefilling
             self.stats["decode_tokens" if decoding else "prefill_tokens"] += end - start
             r.done = end
-            tokens = r.tokens
             while len(r.hashes) < end // bs:  # blocks that became full
                 j = len(r.hashes)
                 r.hashes.append(
-                    block_hash(r.hashes[-1] if r.hashes else ROOT_HASH, tokens[j * bs : (j + 1) * bs])
+                    block_hash(
+                        r.hashes[-1] if r.hashes else ROOT_HASH, r.tokens_between(j * bs, (j + 1) * bs)
+                    )
                 )
                 if self.prefix_cache:
                     self.blocks.register(r.table[j], r.hashes[j])
@@ -241,7 +242,7 @@ class Engine:
                         if r.decode_snapshot is not None:
                             self.kda.drop(r.decode_snapshot)
                         r.decode_snapshot = h
-            if end == len(tokens):  # the piece reached the last token: the next one is known
+            if end == r.num_tokens:  # the piece reached the last token: the next one is known
                 token = int(logits[p].argmax())
                 r.output.append(token)
                 if r.keep_logits:
@@ -272,7 +273,9 @@ class Engine:
         while sched.waiting and len(sched.running) < self.max_running:
             r = sched.waiting[0]
             T = len(r.prompt)
-            hashes = prefix_hashes(r.prompt, bs) if self.prefix_cache else []
+            if r.prompt_hashes is None:  # once per request: it may wait here for many steps
+                r.prompt_hashes = prefix_hashes(r.prompt, bs) if self.prefix_cache else []
+            hashes = r.prompt_hashes
             hit = self.blocks.lookup(hashes)
             if self.kda.layers:  # resume only where every KDA layer has a snapshot, before the last token
                 hit = hit[: (T - 1) // bs]

@@ -41,6 +41,8 @@ class Request:
         cached: prompt tokens taken from the prefix cache instead of computed.
         decode_snapshot: the prefix hash of the last KDA snapshot it took while decoding (it keeps one).
         finished: it generated `max_new_tokens` tokens or `eos_token_id`.
+        prompt_hashes: the prefix hashes of the prompt's full blocks, computed once when it is first
+            considered for admission (a request that waits is looked up again every step).
     """
 
     id: int
@@ -58,10 +60,27 @@ class Request:
     decode_snapshot: bytes | None = None
     finished: bool = False
 
+    prompt_hashes: list[bytes] | None = None
+
     @property
     def tokens(self) -> list[int]:
-        """The prompt followed by the generated tokens."""
+        """The prompt followed by the generated tokens (a new list: `tokens_between` reads a part of it
+        without copying the whole history)."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        """len(prompt) + len(output)."""
+        return len(self.prompt) + len(self.output)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """`tokens[start:end]`, copying only those tokens (a long history is read every step)."""
+        P = len(self.prompt)
+        if end <= P:
+            return self.prompt[start:end]
+        if start >= P:
+            return self.output[start - P : end - P]
+        return self.prompt[start:] + self.output[: end - P]
 
     @property
     def prefilling(self) -> bool:

@@ -157,6 +157,39 @@ def check_absorbed_attention_inputs(q, cache, slots, lengths, value_dim: int) ->
             )
 
 
+def check_block_table(q, pool, block_table, lengths, value_dim: int) -> None:
+    """The arguments of absorbed MLA attention read through a block table
+    (`kda_edu.kernels.mla_decode.paged_mla_absorbed_attention`): q a floating non-empty `[B, T, H, D]`, pool a
+    floating `[N, block_size, D]` on q's device with q's D, `1 <= value_dim <= D`, block_table int32/int64
+    `[B, max_blocks]` (max_blocks >= 1) and lengths int32/int64 `[B]`, both on q's device. Raises TypeError or
+    ValueError naming the argument."""
+    check_floating_tensor("q", q, "[B, T, H, D]", nonempty=True)
+    check_floating_tensor("pool", pool, "[N, block_size, D]")
+    B, D = q.shape[0], q.shape[3]
+    if pool.shape[2] != D or pool.shape[1] < 1 or not 1 <= value_dim <= D:
+        raise ValueError(
+            f"pool must be [N, block_size, D] with q's D = {D}, block_size >= 1 and 1 <= value_dim <= D, got "
+            f"{tuple(pool.shape)}, value_dim = {value_dim}"
+        )
+    if pool.device != q.device:
+        raise ValueError(f"pool [N, block_size, D] must be on q's device ({q.device}), got {pool.device}")
+    for name, t, shape in (("block_table", block_table, "[B, max_blocks]"), ("lengths", lengths, "[B]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape {shape}, got {type(t).__name__}")
+        rank = 2 if name == "block_table" else 1
+        if (
+            t.dtype not in (torch.int32, torch.int64)
+            or t.dim() != rank
+            or t.shape[0] != B
+            or (rank == 2 and t.shape[1] < 1)
+            or t.device != q.device
+        ):
+            raise ValueError(
+                f"{name} must be int32/int64 {shape} with B = {B} on {q.device}, got "
+                f"{tuple(t.shape)} {t.dtype} {t.device}"
+            )
+
+
 def check_kda_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

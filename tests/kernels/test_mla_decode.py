@@ -46,3 +46,79 @@ def test_a_wrongly_shaped_q_or_cache_is_named(mla_absorbed_attention):
             mla_absorbed_attention(q, bad, slots, lengths, 0.3, 6)
     with pytest.raises(TypeError, match=r"slots must be a torch.Tensor of shape \[B\], got list"):
         mla_absorbed_attention(q, cache, [0, 1], lengths, 0.3, 6)
+
+
+def _paged_case(block_size, seed=0, T=2, H=3, D=20, R=16, dtype=torch.float32):
+    """Three sequences of lengths 2, 37 and 70 in a pool of shuffled blocks, the first two sharing their
+    first block (a common prefix), every table padded with an id past the pool's used blocks; returns the
+    inputs and the same rows laid out contiguously (`[B, L_max, D]`) for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([2, 37, 70], dtype=torch.int32)
+    blocks = [-(-int(n) // block_size) for n in lengths]
+    pool = torch.randn(sum(blocks) + 2, block_size, D, generator=gen, dtype=dtype)
+    order = torch.randperm(pool.shape[0] - 1, generator=gen).tolist()
+    tables, used = [], 0
+    for b in blocks:
+        tables.append(order[used : used + b])
+        used += b
+    tables[1][0] = tables[0][0]  # shared prefix block
+    width = max(blocks) + 1
+    table = torch.tensor([t + [pool.shape[0] - 1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    contiguous = pool[table.long()].reshape(3, width * block_size, D)
+    q = torch.randn(3, T, H, D, generator=gen, dtype=dtype)
+    return q, pool, table, lengths, contiguous
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_kernel_equals_the_reference_over_shuffled_shared_blocks(block_size, splits):
+    """Read through block tables (blocks shuffled, one shared by two sequences, sizes that do and do not
+    divide the kernel's tile) against the PyTorch reference over the same rows laid out contiguously;
+    float32 products over 20 numbers and a softmax: 1e-5."""
+    from kda_edu.kernels.mla_decode import paged_mla_absorbed_attention
+
+    q, pool, table, lengths, contiguous = _paged_case(block_size)
+    out = paged_mla_absorbed_attention(q, pool, table, lengths, 0.3, 16, num_splits=splits)
+    reference = mla_absorbed_reference(q, contiguous, torch.arange(3), lengths, 0.3, 16)
+    err = (out - reference).abs().max().item()
+    assert err < 1e-5, f"paged kernel vs reference (block_size {block_size}, {splits} splits): {err:.1e}"
+
+
+def test_paged_kernel_reads_nothing_past_a_sequence():
+    """Non-finite rows past each sequence's length (in its last block and in blocks its table names past
+    the end) leave every output finite and unchanged: 1e-6."""
+    from kda_edu.kernels.mla_decode import paged_mla_absorbed_attention
+
+    q, pool, table, lengths, _ = _paged_case(16)
+    clean = paged_mla_absorbed_attention(q, pool, table, lengths, 0.3, 16, num_splits=3)
+    dirty = pool.clone()
+    for b, n in enumerate(lengths.tolist()):
+        last = table[b, (n - 1) // 16]
+        if b != 0:  # block 0's tail is sequence 1's shared prefix
+            dirty[last, (n - 1) % 16 + 1 :] = float("nan")
+    dirty[-1] = float("inf")  # the padding id every table ends with
+    out = paged_mla_absorbed_attention(q, dirty, table, lengths, 0.3, 16, num_splits=3)
+    assert torch.isfinite(out).all()
+    err = (out - clean).abs().max().item()
+    assert err < 1e-6, f"outputs with non-finite rows past the lengths vs without: {err:.1e}"
+
+
+def test_paged_kernel_arguments_are_named():
+    """A table of the wrong rank, batch or dtype, a pool of the wrong width or not contiguous."""
+    from kda_edu.kernels.mla_decode import paged_mla_absorbed_attention
+
+    q, pool, table, lengths, _ = _paged_case(16)
+    with pytest.raises(ValueError, match=r"block_table must be int32/int64 \[B, max_blocks\] with B = 3"):
+        paged_mla_absorbed_attention(q, pool, table[0], lengths, 0.3, 16)
+    with pytest.raises(ValueError, match=r"block_table must be int32/int64"):
+        paged_mla_absorbed_attention(q, pool, table.float(), lengths, 0.3, 16)
+    with pytest.raises(ValueError, match=r"block_table must be int32/int64 \[B, max_blocks\] with B = 3"):
+        paged_mla_absorbed_attention(q, pool, table[:2], lengths, 0.3, 16)
+    with pytest.raises(ValueError, match=r"pool must be \[N, block_size, D\] with q's D = 20"):
+        paged_mla_absorbed_attention(q, pool[..., :18], table, lengths, 0.3, 16)
+    with pytest.raises(ValueError, match=r"pool \[N, block_size, D\] must be contiguous"):
+        paged_mla_absorbed_attention(
+            q, pool.transpose(0, 1).contiguous().transpose(0, 1), table, lengths, 0.3, 16
+        )
+    with pytest.raises(TypeError, match=r"block_table must be a torch.Tensor of shape \[B, max_blocks\]"):
+        paged_mla_absorbed_attention(q, pool, table.tolist(), lengths, 0.3, 16)

@@ -318,7 +318,7 @@ def test_engine_bad_arguments():
 def test_kernel_path_matches_the_model():
     """`kernels=True`: prefill chunks through `chunk_kda` over packed sequences with initial states (a prefix
     hit resumes from a snapshot, a chunk ends mid-block), decoded tokens through `fused_recurrent_kda` with
-    state indices and `mla_absorbed_attention`; on a GPU compiled, elsewhere through Triton's interpreter
+    state indices and `paged_mla_absorbed_attention`; on a GPU compiled, elsewhere through Triton's interpreter
     (slow). The kernels compute in float32: float32 model and 1e-4 (rounding over 4 layers and a softmax)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = HybridConfig(

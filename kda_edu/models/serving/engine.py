@@ -26,7 +26,7 @@ engine keeps what the model computed and reuses it, with the parts of its packag
 The logits equal the model's own forward over each request's tokens (the same sums in another order), and the
 tokens equal `HybridLM.generate`'s greedy ones. On a CPU everything runs in PyTorch; on a GPU (`kernels`)
 prefill chunks run through `kda_edu.kernels.chunk_kda` over packed sequences with initial states, decoded
-tokens through `fused_recurrent_kda` with state indices and the split-context `mla_absorbed_attention`.
+tokens through `fused_recurrent_kda` with state indices and the split-context `paged_mla_absorbed_attention`.
 """
 
 import torch

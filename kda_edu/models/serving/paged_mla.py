@@ -18,10 +18,10 @@ of the same sum, as in `kda_edu.layers.mla`:
   (one shared key head of width `r + d_r`), the value up-projection after the weighted sum;
 - expanded (`"expanded"`): the gathered rows expanded into per-head keys and values, ordinary attention.
 
-Decoded tokens (one new token per request) are attended together: their requests' rows are gathered into one
-padded batch `[B, L_max, r + d_r]` and read with `mla_absorbed_reference`, or on a GPU with the split-context
-kernel `kda_edu.kernels.mla_decode.mla_absorbed_attention` (both mask each row at its own length). A prefill
-chunk is attended on its own.
+Decoded tokens (one new token per request) are attended together: on a GPU the split-context kernel
+`kda_edu.kernels.mla_decode.paged_mla_absorbed_attention` reads their rows in place through the block tables;
+the PyTorch path gathers them into one padded batch `[B, L_max, r + d_r]` for `mla_absorbed_reference` (both
+mask each row at its own length). A prefill chunk is attended on its own.
 """
 
 import torch
@@ -117,7 +117,7 @@ def paged_mla_forward(
             order of h (the `end - start` summing to N). The tables must be writable there
             (`PagedMLACache.prepare_write`).
         mode: `"absorbed"` or `"expanded"` for the prefill chunks (decoded tokens always run absorbed).
-        kernels: decoded tokens through the Triton kernel `mla_absorbed_attention` instead of PyTorch.
+        kernels: decoded tokens through the Triton kernel `paged_mla_absorbed_attention` instead of PyTorch.
 
     Returns:
         `[1, N, D]`, what `layer` returns for these tokens after the cached ones of each request.
@@ -137,15 +137,20 @@ def paged_mla_forward(
     decodes = [i for i, (_, start, end) in enumerate(pieces) if end - start == 1]
     if decodes:  # one token per request: one padded batch
         lengths = [pieces[i][2] for i in decodes]
-        rows = cache.gather(index, [pieces[i][0] for i in decodes], max(lengths))
+        tables = [pieces[i][0] for i in decodes]
         query = layer.absorb_query(q[0, [offsets[i] for i in decodes]][:, None])  # [B, 1, H, r + d_r]
-        slots = torch.arange(len(decodes), device=h.device)
         lengths_t = torch.tensor(lengths, dtype=torch.int32, device=h.device)
-        if kernels:
-            from kda_edu.kernels.mla_decode import mla_absorbed_attention
+        if kernels:  # read in place through the block tables
+            from kda_edu.kernels.mla_decode import paged_mla_absorbed_attention
 
-            o_latent = mla_absorbed_attention(query, rows, slots, lengths_t, scale, r)
+            width = max(len(t) for t in tables)
+            table = torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=h.device
+            )
+            o_latent = paged_mla_absorbed_attention(query, cache.pools[index], table, lengths_t, scale, r)
         else:
+            rows = cache.gather(index, tables, max(lengths))
+            slots = torch.arange(len(decodes), device=h.device)
             o_latent = mla_absorbed_reference(query, rows, slots, lengths_t, scale, r)
         for row, i in enumerate(decodes):
             o[i] = layer.expand_output(o_latent[row : row + 1]).to(h.dtype)

@@ -229,6 +229,7 @@ def fused_short_conv(
     weight: torch.Tensor,
     window: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise convolution and SiLU, `y_t = SiLU(sum_i weight[:, i] x_{t - W + 1 + i})` per channel,
     as `kda_edu.layers.kda_layer.ShortConv` computes it, in Triton kernels (forward and backward).
@@ -239,6 +240,9 @@ def fused_short_conv(
         window: the `W - 1` inputs before x, `[B, W - 1, C]`; None means zeros (start of a sequence).
         cu_seqlens: None, or int32/int64 `[N + 1]` cumulative lengths of sequences packed along T (B = 1, no
             window): each starts from zeros, none sees the one before it.
+        positions: instead of cu_seqlens, each token's position in its own sequence, int32/int64 `[T]` on x's
+            device (`kda_edu.ops.varlen.positions_in_sequence` of checked lengths); B = 1, no window. For a
+            caller that has checked the lengths already: checking cu_seqlens costs a device-to-host copy.
 
     Returns:
         `(y, window)`: y `[B, T, C]` in x's dtype, and the last `W - 1` inputs `[B, W - 1, C]` (with the
@@ -280,11 +284,27 @@ def fused_short_conv(
         window = window.to(x.dtype)
     check_device(x, "x")
     pos = None
+    if cu_seqlens is not None and positions is not None:
+        raise ValueError("pass cu_seqlens or positions, not both")
+    if (cu_seqlens is not None or positions is not None) and window is not None:
+        name = "cu_seqlens" if cu_seqlens is not None else "positions"
+        raise ValueError(f"{name} starts every sequence from zeros: pass window=None with it")
     if cu_seqlens is not None:
-        if window is not None:
-            raise ValueError("cu_seqlens starts every sequence from zeros: pass window=None with it")
         cu = check_cu_seqlens(cu_seqlens, B, T, x.device)
         pos = positions_in_sequence(cu, x.device).to(torch.int32)
+    elif positions is not None:
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.dtype not in (torch.int32, torch.int64)
+            or tuple(positions.shape) != (T,)
+            or positions.device != x.device
+            or B != 1
+        ):
+            raise ValueError(
+                f"positions must be an int32/int64 tensor [T] = [{T}] on {x.device} with B = 1, got "
+                f"{_shape(positions)} with B = {B}"
+            )
+        pos = positions.to(torch.int32)
     y = ShortConvFunction.apply(x, weight, window if W > 1 else None, pos)
     keep = W - 1
     start = window if window is not None else x.new_zeros(B, keep, C)

@@ -176,7 +176,11 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel_size).uniform_(-bound, bound))
 
     def forward(
-        self, x: torch.Tensor, window: torch.Tensor | None = None, cu_seqlens: list[int] | None = None
+        self,
+        x: torch.Tensor,
+        window: torch.Tensor | None = None,
+        cu_seqlens: list[int] | None = None,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Convolve x, continuing from `window`.
 
@@ -185,10 +189,17 @@ class ShortConv(nn.Module):
             window: the `W - 1` inputs before x, `[B, W - 1, C]`; None means zeros (start of a sequence).
             cu_seqlens: None, or the cumulative lengths (a list of ints, `kda_edu.ops.varlen`) of sequences packed
                 along T (B = 1, no window): each starts from zeros, none sees the one before it.
+            fused: run in the Triton kernels `kda_edu.kernels.fused_short_conv` (float32, bfloat16 or float16
+                x) instead of the PyTorch sum below.
 
         Returns:
             `(y, window)`: y `[B, T, C]`, and the last `W - 1` inputs `[B, W - 1, C]` for the next call.
         """
+        if fused:  # imported on use: `import kda_edu` never imports Triton
+            from kda_edu.kernels import fused_short_conv
+
+            pos = None if cu_seqlens is None else positions_in_sequence(cu_seqlens, x.device)
+            return fused_short_conv(x, self.weight, window, positions=pos)
         B, T, C = x.shape
         W = self.kernel_size
         if window is None:
@@ -215,8 +226,13 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate `[..., dim]` -> `[..., dim]` in gate's dtype, computed in at least float32."""
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """x, gate `[..., dim]` -> `[..., dim]` in gate's dtype, computed in at least float32; with `fused`, in
+        the Triton kernels `kda_edu.kernels.fused_gated_rms_norm` (float32, bfloat16 or float16 inputs)."""
+        if fused:
+            from kda_edu.kernels import fused_gated_rms_norm
+
+            return fused_gated_rms_norm(x, gate, self.weight, self.eps)
         dtype = compute_dtype(x.dtype)
         x = x.to(dtype)
         c = overflow_scale(
@@ -383,20 +399,11 @@ class KDALayer(nn.Module):
 
         fused = self._fused_parts(x)
         if fused:  # imported on use: `import kda_edu` never imports Triton
-            from kda_edu.kernels import (
-                fused_gated_rms_norm,
-                fused_kda_gates,
-                fused_l2_normalize,
-                fused_short_conv,
-            )
+            from kda_edu.kernels import fused_kda_gates, fused_l2_normalize
 
         qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         window = None if cache is None else cache.conv_window
-        if fused:
-            cu = None if varlen is None else varlen[0]
-            qkv, window = fused_short_conv(qkv_in, self.conv.weight, window, cu_seqlens=cu)
-        else:
-            qkv, window = self.conv(qkv_in, window, cu_seqlens=None if varlen is None else varlen[1])
+        qkv, window = self.conv(qkv_in, window, None if varlen is None else varlen[1], fused=fused)
         if varlen is not None and cache is not None:  # each sequence's own last W - 1 inputs
             window = _last_inputs(qkv_in, varlen[1], cfg.conv_size - 1)
         q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
@@ -437,10 +444,7 @@ class KDALayer(nn.Module):
             cache.conv_window, cache.state, cache.seq_len = window, state, cache.seq_len + T
 
         gate = (self.g_proj(x) if cfg.full_rank_output else self.g_up(self.g_down(x))).view(B, T, HV, V)
-        if fused:
-            o = fused_gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
-        else:
-            o = self.o_norm(o, gate)
+        o = self.o_norm(o, gate, fused=fused)
         return self.o_proj(o.reshape(B, T, HV * V))
 
     def _fused_parts(self, x: torch.Tensor) -> bool:

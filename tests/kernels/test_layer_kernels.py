@@ -12,6 +12,7 @@ import torch
 from kda_edu.kernels import fused_gated_rms_norm, fused_kda_gates, fused_l2_normalize, fused_short_conv
 from kda_edu.layers.kda_layer import GatedRMSNorm, KDAConfig, KDALayer, ShortConv
 from kda_edu.ops.gates import beta_sigmoid, kda_gate, kda_gate_lower_bound, l2_normalize
+from kda_edu.ops.varlen import positions_in_sequence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
@@ -109,6 +110,9 @@ def test_short_conv_packed_sequences_do_not_see_each_other():
     close(y, y_ref)
     for got, ref in zip(grads((y, new_window), ins), g_ref, strict=True):
         close(got, ref)
+    # the same sequences named by each token's position instead (what the layer passes, lengths checked once)
+    y_pos, _ = fused_short_conv(*ins, positions=positions_in_sequence(cu, DEVICE))
+    close(y_pos, y_ref)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's NumPy: exp(1e36) = inf
@@ -138,6 +142,10 @@ def test_short_conv_rejects_bad_arguments():
         fused_short_conv(x, w, torch.zeros(1, 2, 5, device=DEVICE), torch.tensor([0, 6], device=DEVICE))
     with pytest.raises(ValueError, match="must start at 0 and end at T = 6"):
         fused_short_conv(x, w, cu_seqlens=torch.tensor([0, 5], device=DEVICE))
+    with pytest.raises(ValueError, match=r"positions must be an int32/int64 tensor \[T\] = \[6\]"):
+        fused_short_conv(x, w, positions=torch.arange(5, device=DEVICE))
+    with pytest.raises(ValueError, match="pass cu_seqlens or positions, not both"):
+        fused_short_conv(x, w, cu_seqlens=torch.tensor([0, 6], device=DEVICE), positions=torch.arange(6))
 
 
 # --------------------------------------------------------------------------------------------------- norms

@@ -40,7 +40,6 @@ import gc
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -50,7 +49,7 @@ from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
 from kda_edu.models.model import HYBRID, PURE_ATTENTION, PURE_KDA, HybridConfig, HybridLM
 from kda_edu.models.serving import Engine
-from kda_edu.models.serving.workload import AgentSession, agent_sessions
+from kda_edu.models.serving.workload import AgentSession, agent_sessions, replay
 
 PATTERNS = {"hybrid": HYBRID, "mla": PURE_ATTENTION, "kda": PURE_KDA}
 SIZES = {
@@ -86,11 +85,6 @@ def model_config(model: str, size: str, layers: int) -> HybridConfig:
     )
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) of `values`, linear between the closest ranks."""
     ordered = sorted(values)
@@ -103,69 +97,6 @@ def pool_blocks(sessions: list[AgentSession], block_size: int, pool_factor: floa
     """Blocks for every agent's longest request at once (and one copy-on-write each), times `pool_factor`."""
     longest = max(s.history_tokens for s in sessions)
     return math.ceil(len(sessions) * (-(-longest // block_size) + 1) * pool_factor)
-
-
-def replay(
-    engine: Engine, sessions: list[AgentSession], device: torch.device, time_limit_s: float | None = None
-) -> dict:
-    """Replay the sessions through the engine, each agent's next turn added when its reply is done.
-
-    Returns the per-turn records (agent, turn, prompt tokens, cached tokens, generated tokens, TTFT in
-    seconds), the wall time, the generated tokens, whether the time limit stopped new turns, and the most
-    blocks held by requests and KDA snapshots kept after any step."""
-    replies: list[list[list[int]]] = [[] for _ in sessions]
-    owner, turn_of, added, first = {}, {}, {}, {}
-    cut_short, peak_blocks, peak_snapshots = False, 0, 0
-
-    def add(agent: int) -> None:
-        session = sessions[agent]
-        turn = session.turns[len(replies[agent])]
-        rid = engine.add_request(session.prompt(replies[agent]), turn.max_new_tokens)
-        owner[rid], turn_of[rid] = agent, len(replies[agent])
-        added[rid] = time.perf_counter()
-
-    sync(device)
-    start = time.perf_counter()
-    for agent in range(len(sessions)):
-        add(agent)
-    while engine.has_work():
-        new_tokens = engine.step()
-        sync(device)
-        now = time.perf_counter()
-        peak_blocks = max(peak_blocks, engine.blocks.in_use())
-        peak_snapshots = max(peak_snapshots, len(engine.kda.snapshots))
-        for rid in new_tokens:
-            request = engine.requests[rid]
-            if len(request.output) == 1:
-                first[rid] = now - added[rid]
-            if request.finished:
-                agent = owner[rid]
-                replies[agent].append(request.output)
-                if time_limit_s is not None and now - start > time_limit_s:
-                    cut_short |= len(replies[agent]) < len(sessions[agent].turns)
-                elif len(replies[agent]) < len(sessions[agent].turns):
-                    add(agent)
-    wall = time.perf_counter() - start
-    turns = [
-        dict(
-            agent=owner[rid],
-            turn=turn_of[rid],
-            prompt_tokens=len(engine.requests[rid].prompt),
-            cached_tokens=engine.requests[rid].cached,
-            new_tokens=len(engine.requests[rid].output),
-            ttft_s=first[rid],
-        )
-        for rid in sorted(owner)
-    ]
-    generated = sum(t["new_tokens"] for t in turns)
-    return dict(
-        turns=turns,
-        wall_s=wall,
-        generated_tokens=generated,
-        cut_short=cut_short,
-        peak_blocks_in_use=peak_blocks,
-        peak_snapshots=peak_snapshots,
-    )
 
 
 def run_one(model: HybridLM, sessions, args, device, prefix_cache: bool) -> dict:

@@ -19,6 +19,11 @@
 - `count_ops(fn)` and `dispatched_ops(fn)`: how many PyTorch operations a call dispatches (the length of a step's
   chain of operations), and which.
 - `decode_bytes_per_step(config, context_len, batch)`: the bytes a decoding step must move (its bound).
+- `mla_causal_token_cost(config, d_model, context_len, appended)`: an MLA append's cost with the masked half
+  of causal scores not counted (a prefill's attention is about T^2 / 2 scores, not T^2).
+- `chunked_context_attention(layer, q, rows, chunk)`: MHA mode with the context expanded a chunk at a time
+  into a bounded workspace, the chunks merged by their softmax statistics; `largest_tensor_bytes(fn)` the
+  largest tensor a call creates.
 """
 
 import math
@@ -29,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kda_edu.layers.kda_layer import KDACache
 from kda_edu.layers.mla import MLACache
-from kda_edu.models.costs import cache_bytes
+from kda_edu.models.costs import TokenCost, cache_bytes, mla_token_cost
 from kda_edu.models.model import HybridCache, HybridConfig, HybridLM
 from kda_edu.ops.attention import MQA_SLICE_NUMBERS
 
@@ -403,3 +408,103 @@ def count_ops(fn) -> int:
     at a small batch a decoding step's time is largely the fixed cost of that chain.
     """
     return len(dispatched_ops(fn))
+
+
+def mla_causal_token_cost(
+    config, d_model: int, context_len: int, appended: int, mode: str = "mha"
+) -> TokenCost:
+    """`kda_edu.models.costs.mla_token_cost` with the attention counted causally: the masked scores not at all.
+
+    Appended token i (of n, onto S = context_len - n cached ones) sees S + i + 1 keys, so the n tokens see
+    `n S + n (n + 1) / 2` keys in all: on average `S + (n + 1) / 2` per token instead of the `S + n` a dense
+    count charges. A fresh prefill (S = 0) does about half the dense count's attention work, `T (T + 1) / 2`
+    scores instead of `T^2`; an append onto a long history saves little. The projections, the expansion (MHA
+    mode) and the bytes are those of `mla_token_cost`.
+    """
+    dense = mla_token_cost(config, d_model, context_len, mode, appended=appended)
+    S, n = context_len - appended, appended
+    parts = dict(dense.parts)
+    parts["attention"] = dense.parts["attention"] * (S + (n + 1) / 2) / context_len
+    return TokenCost(flops=sum(parts.values()), bytes=dense.bytes, parts=parts)
+
+
+def chunked_context_attention(layer, q: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """MLA's MHA-mode attention of n new tokens over cached rows, the context expanded `chunk` positions at a time.
+
+    Expanding every cached latent of a long history into per-head keys and values at once costs memory in
+    proportion to the history, `(S + n) H (d_k + d_r + d_v)` numbers. A serving engine expands the context in
+    chunks into a workspace of a fixed size instead, attends to each chunk, and merges the chunks' partial
+    results with their softmax statistics (the running maximum m and sum l of each query row, as flash
+    attention does within a kernel):
+
+        m' = max(m, m_c),  l' = l e^(m - m') + l_c e^(m_c - m'),  o' = o e^(m - m') + o_c e^(m_c - m'),
+
+    and returns `o' / l'` at the end. The workspace holds one chunk's keys and values and scores, whatever S.
+
+    Args:
+        layer: an `MLA` (its `k_up`, `v_up` and config).
+        q: the new tokens' queries `[1, n, H, d_k + d_r]` (`layer.q_proj` output), at positions S ... S + n - 1.
+        rows: the cached rows of all S + n positions `[1, S + n, r + d_r]`, the new tokens' last.
+        chunk: context positions expanded at a time, >= 1.
+
+    Returns:
+        `[1, n, H, d_v]`, equal to `causal_attention` over the fully expanded keys and values.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    cfg = layer.config
+    H, r, dk, dr, dv = cfg.num_heads, cfg.kv_rank, cfg.qk_head_dim, cfg.rope_head_dim, cfg.v_head_dim
+    n, total = q.shape[1], rows.shape[1]
+    if q.shape != (1, n, H, dk + dr) or rows.shape != (1, total, r + dr) or total < n:
+        raise ValueError(
+            f"q must be [1, n, {H}, {dk + dr}] and rows [1, S + n, {r + dr}], got {tuple(q.shape)} and "
+            f"{tuple(rows.shape)}"
+        )
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = (dk + dr) ** -0.5
+    query = q.to(dtype).transpose(1, 2) * scale  # [1, H, n, dk + dr]
+    query_pos = torch.arange(total - n, total, device=q.device)
+    m = torch.full((1, H, n, 1), float("-inf"), dtype=dtype, device=q.device)
+    l = torch.zeros(1, H, n, 1, dtype=dtype, device=q.device)
+    o = torch.zeros(1, H, n, dv, dtype=dtype, device=q.device)
+    for a in range(0, total, chunk):
+        part = rows[:, a : a + chunk]  # [1, c, r + dr]
+        c = part.shape[1]
+        k = layer.k_up(part[..., :r]).view(1, c, H, dk)
+        if dr:
+            k = torch.cat([k, part[:, :, None, r:].expand(1, c, H, dr)], dim=-1)
+        v = layer.v_up(part[..., :r]).view(1, c, H, dv)
+        scores = query @ k.to(dtype).permute(0, 2, 3, 1)  # [1, H, n, c]
+        visible = torch.arange(a, a + c, device=q.device) <= query_pos[:, None]  # [n, c]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        m_c = scores.amax(dim=-1, keepdim=True)
+        m_new = torch.maximum(m, m_c)
+        keep = torch.where(torch.isinf(m_new), 0.0, torch.exp(m - m_new))  # rows with no key yet stay at 0
+        p = torch.exp(scores - torch.where(torch.isinf(m_new), 0.0, m_new))
+        l = l * keep + p.sum(dim=-1, keepdim=True)
+        o = o * keep + p @ v.to(dtype).transpose(1, 2)
+        m = m_new
+    return (o / l).transpose(1, 2).to(q.dtype)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def largest_tensor_bytes(fn) -> int:
+    """The bytes of the largest tensor any PyTorch operation creates while `fn()` runs (views not counted).
+
+    A lower bound on the call's extra memory that does not depend on an allocator or a device: whatever
+    frees what, that tensor existed at once."""
+    with torch.no_grad(), _LargestTensor() as recorder:
+        fn()
+    return recorder.largest

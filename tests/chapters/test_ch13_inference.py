@@ -153,3 +153,52 @@ def test_count_ops_counts_dispatched_operations():
     assert count_ops(lambda: (x * 2).sum()) == 2
     layer = MLA(16, CONFIG.mla)
     assert count_ops(lambda: layer(torch.randn(1, 1, 16), cache=layer.new_cache())) > 5
+
+
+def test_chunked_context_attention_equals_full_expansion_in_a_bounded_workspace():
+    from kda_edu.chapters.ch13_inference import chunked_context_attention, largest_tensor_bytes
+    from kda_edu.ops.attention import causal_attention
+
+    torch.manual_seed(0)
+    cfg = MLAConfig(num_heads=2, kv_rank=12, qk_head_dim=8, v_head_dim=6, rope_head_dim=4)
+    layer = MLA(16, cfg).double()
+
+    def expanded(q, rows):
+        T = rows.shape[1]
+        k = layer.k_up(rows[..., :12]).view(1, T, 2, 8)
+        k = torch.cat([k, rows[:, :, None, 12:].expand(1, T, 2, 4)], dim=-1)
+        return causal_attention(q, k, layer.v_up(rows[..., :12]).view(1, T, 2, 6), scale=12**-0.5)
+
+    with torch.no_grad():
+        for total, n, chunk in ((70, 5, 16), (40, 40, 7), (33, 1, 64)):  # append, prefill, one chunk
+            rows, q = (
+                torch.randn(1, total, 16, dtype=torch.float64),
+                torch.randn(1, n, 2, 12, dtype=torch.float64),
+            )
+            got = chunked_context_attention(layer, q, rows, chunk)
+            torch.testing.assert_close(got, expanded(q, rows), rtol=1e-12, atol=1e-12)
+    small, large = (torch.randn(1, T, 16, dtype=torch.float64) for T in (64, 256))
+    q = torch.randn(1, 4, 2, 12, dtype=torch.float64)
+    chunked = [
+        largest_tensor_bytes(lambda r=r: chunked_context_attention(layer, q, r, 16)) for r in (small, large)
+    ]
+    full = [largest_tensor_bytes(lambda r=r: expanded(q, r)) for r in (small, large)]
+    assert chunked[0] == chunked[1] and full[1] == 4 * full[0] > chunked[1]  # bounded vs grows with S
+    with pytest.raises(ValueError, match="chunk must be an int >= 1"):
+        chunked_context_attention(layer, q, small, 0)
+    with pytest.raises(ValueError, match="q must be"):
+        chunked_context_attention(layer, q[..., :5], small, 8)
+
+
+def test_causal_cost_counts_the_visible_keys():
+    from kda_edu.chapters.ch13_inference import mla_causal_token_cost
+    from kda_edu.models.costs import mla_token_cost
+
+    cfg = MLAConfig(num_heads=2, kv_rank=12, qk_head_dim=8, v_head_dim=8, rope_head_dim=4)
+    per_key = mla_token_cost(cfg, 16, 2, "mha", appended=1).parts["attention"] / 2
+    for S, n in ((0, 10), (100, 1), (100, 7)):
+        causal = mla_causal_token_cost(cfg, 16, S + n, n)
+        keys = sum(S + i + 1 for i in range(n))  # token i sees the history and itself
+        assert causal.parts["attention"] * n == pytest.approx(per_key * keys, rel=1e-12)
+        dense = mla_token_cost(cfg, 16, S + n, "mha", appended=n)
+        assert causal.parts["expand"] == dense.parts["expand"] and causal.bytes == dense.bytes

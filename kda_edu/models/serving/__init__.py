@@ -7,14 +7,14 @@
   prefix index), `paged_mla` (the paged latent cache), `kda_prefix` (KDA state slots and snapshots) and
   `scheduler` (the token budget's pieces).
 - `graphs`: CUDA-graph buckets for the decoder's step (a batch padded to the next captured size).
-- `workload`: `agent_sessions`, a seeded agent workload (turns over a growing history) to replay through the
-  engine; the engine does not depend on it.
+- `workload`: `agent_sessions`, a seeded agent workload (turns over a growing history), and `replay`, which
+  plays it through the engine as concurrent agents; the engine does not depend on it.
 """
 
 from kda_edu.models.serving.blocks import BlockPool
 from kda_edu.models.serving.decoder import ServingDecoder, mla_append
 from kda_edu.models.serving.engine import Engine
-from kda_edu.models.serving.workload import AgentSession, AgentTurn, agent_sessions
+from kda_edu.models.serving.workload import AgentSession, AgentTurn, agent_sessions, replay
 
 __all__ = [
     "AgentSession",
@@ -24,4 +24,5 @@ __all__ = [
     "ServingDecoder",
     "agent_sessions",
     "mla_append",
+    "replay",
 ]

@@ -21,14 +21,20 @@ prompt from the replies so far.
 numbers (history from 8K to 128K tokens, tool outputs of 1K-8K, replies of 128-512), `scale=1/256` the same
 shape at a size a CPU replays in seconds.
 
+**Replaying.** `replay(engine, sessions)` plays the sessions through an `Engine` as concurrent agents do: every
+agent's first turn at the start, its next turn right after the step that finished its reply. It records each
+turn's time to first token and the prompt tokens the prefix cache supplied.
+
 **Seeds.** Agent a's draws come from a generator seeded with `(seed, a)` only, so a session does not depend
 on how many agents are drawn beside it, and the same seed always gives the same sessions.
 """
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -174,3 +180,78 @@ def agent_sessions(
             length += tool + new
         sessions.append(AgentSession(agent, prompt, tuple(turns)))
     return sessions
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def replay(
+    engine,
+    sessions: list[AgentSession],
+    device: torch.device | None = None,
+    time_limit_s: float | None = None,
+) -> dict:
+    """Replay the sessions through `engine` (an `Engine`), each agent's next turn added when its reply is done.
+
+    All agents' first turns are added at the start; an agent's next turn right after the step that finished
+    its previous one (its prompt holds the reply the engine generated). On a CUDA `device` each step is
+    synchronised before the clock is read. With `time_limit_s`, no new turn starts after that many seconds.
+
+    Returns the per-turn records (agent, turn, prompt tokens, cached tokens, generated tokens, TTFT in
+    seconds), the wall time, the generated tokens, whether the time limit stopped new turns, and the most
+    blocks held by requests and KDA snapshots kept after any step."""
+    replies: list[list[list[int]]] = [[] for _ in sessions]
+    owner, turn_of, added, first = {}, {}, {}, {}
+    cut_short, peak_blocks, peak_snapshots = False, 0, 0
+
+    def add(agent: int) -> None:
+        session = sessions[agent]
+        turn = session.turns[len(replies[agent])]
+        rid = engine.add_request(session.prompt(replies[agent]), turn.max_new_tokens)
+        owner[rid], turn_of[rid] = agent, len(replies[agent])
+        added[rid] = time.perf_counter()
+
+    _sync(device)
+    start = time.perf_counter()
+    for agent in range(len(sessions)):
+        add(agent)
+    while engine.has_work():
+        new_tokens = engine.step()
+        _sync(device)
+        now = time.perf_counter()
+        peak_blocks = max(peak_blocks, engine.blocks.in_use())
+        peak_snapshots = max(peak_snapshots, len(engine.kda.snapshots))
+        for rid in new_tokens:
+            request = engine.requests[rid]
+            if len(request.output) == 1:
+                first[rid] = now - added[rid]
+            if request.finished:
+                agent = owner[rid]
+                replies[agent].append(request.output)
+                if time_limit_s is not None and now - start > time_limit_s:
+                    cut_short |= len(replies[agent]) < len(sessions[agent].turns)
+                elif len(replies[agent]) < len(sessions[agent].turns):
+                    add(agent)
+    wall = time.perf_counter() - start
+    turns = [
+        dict(
+            agent=owner[rid],
+            turn=turn_of[rid],
+            prompt_tokens=len(engine.requests[rid].prompt),
+            cached_tokens=engine.requests[rid].cached,
+            new_tokens=len(engine.requests[rid].output),
+            ttft_s=first[rid],
+        )
+        for rid in sorted(owner)
+    ]
+    generated = sum(t["new_tokens"] for t in turns)
+    return dict(
+        turns=turns,
+        wall_s=wall,
+        generated_tokens=generated,
+        cut_short=cut_short,
+        peak_blocks_in_use=peak_blocks,
+        peak_snapshots=peak_snapshots,
+    )

@@ -9,7 +9,10 @@ T = tokens / n. At H = 32, K = V = 128, bf16 q, k, v, beta and a float32 log-spa
 - `map_ms`: `kda_edu.parallel.context_parallel.shard_map` on the shard, the extra pass of the scan scheme that gives
   `(M, B)` (one kernel call with V + K = 256 value columns);
 - `combine_ms`: `fold_maps` over n maps, what the last rank does after the all-gather (n - 1 products of
-  K x K by K x V per head).
+  K x K by K x V per head);
+- `one_pass_ms`: the one-pass scheme's single pass, `one_pass_shard` with `chunk_kda` (values widened by K
+  identity columns: outputs, states and the carry's maps in one call), and `correct_ms`: `corrected`, its
+  fix-up once the carry arrives (`o + R S_in` for the shard's tokens, `ht + M S_in`).
 
 Communication cannot be measured on one GPU; the chapter takes bandwidths from public specifications.
 
@@ -28,7 +31,7 @@ import torch
 
 from bench.common import kda_inputs, write_result
 from kda_edu.kernels import chunk_kda
-from kda_edu.parallel.context_parallel import fold_maps, shard_layout, shard_map
+from kda_edu.parallel.context_parallel import corrected, fold_maps, one_pass_shard, shard_layout, shard_map
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,6 +68,10 @@ def measure(tokens: int, n: int, H: int, D: int, dtype) -> dict:
             M, B = shard_map(chunk_kda, inputs, h0, layout, scale)
             maps = [(M, B)] * n
             row["combine_ms"] = bench(lambda: fold_maps(maps, n - 1))
+            row["one_pass_ms"] = bench(lambda: one_pass_shard(inputs, h0, layout, scale, kernel=chunk_kda))
+            shard = one_pass_shard(inputs, h0, layout, scale, kernel=chunk_kda)
+            carry = torch.randn(layout.carries, H, D, D, device=DEVICE)
+            row["correct_ms"] = bench(lambda: corrected(shard, carry, layout))
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return row

@@ -37,6 +37,7 @@ import torch
 # Compute capabilities the library supports, with a GPU of each: T4 (Colab), A100, H100 / H200.
 CAPABILITIES = ((7, 5), (8, 0), (9, 0))
 MULTIPROCESSORS = {(7, 5): 40, (8, 0): 108, (9, 0): 132}
+SHARED_MEMORY_PER_BLOCK = {(7, 5): 64 * 1024, (8, 0): 163 * 1024, (9, 0): 227 * 1024}  # the opt-in maximum
 
 
 def dtypes_for(capability: tuple[int, int]) -> list[torch.dtype]:
@@ -84,7 +85,9 @@ def recorded_launches(capability: tuple[int, int]):
         return types.SimpleNamespace(n_regs=0, n_spills=0, metadata=types.SimpleNamespace(shared=0))
 
     props = types.SimpleNamespace(
-        multi_processor_count=MULTIPROCESSORS[tuple(capability)], major=capability[0]
+        multi_processor_count=MULTIPROCESSORS[tuple(capability)],
+        shared_memory_per_block_optin=SHARED_MEMORY_PER_BLOCK[tuple(capability)],
+        major=capability[0],
     )
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(JITFunction, "run", record))
@@ -135,7 +138,9 @@ def library_launches(capability: tuple[int, int]) -> list[tuple]:
             fused_recurrent_fwd(q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2], scale, state, state, None, bv,
                                 warps, state_indices=slots)  # fmt: skip
             mla_q = torch.empty(2, 1, 4, 576, dtype=dtype, device="meta")  # absorbed MLA: r = 512, d_r = 64
-            cache = torch.empty(4, 512, 576, dtype=dtype, device="meta")
+            cache = torch.empty(
+                4, 4096, 576, dtype=dtype, device="meta"
+            )  # long enough to split: the merge too
             mla_absorbed_attention(mla_q, cache, slots, slots, 0.1, 512)
             layer_part_launches(dtype)
     return launches

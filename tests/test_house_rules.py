@@ -132,7 +132,7 @@ def test_detector_reads_visible_code_cells():
 def test_exercise_feedback_is_one_line(capsys):
     from kda_edu.exercises import WrongAnswer, _wrong_answer_in_one_line, ch04
 
-    verdict = ch04.check_gate_for_half_life(lambda half_life: None)
+    verdict = ch04.check_repeated_read(lambda g, beta: None)
     verdict._ipython_display_()  # a notebook's echo of the returned verdict shows nothing ...
     assert capsys.readouterr().out == verdict + "\n"  # ... so the line appears once
     shown = []
@@ -142,7 +142,7 @@ def test_exercise_feedback_is_one_line(capsys):
             shown.append(stb)
 
     try:
-        ch04.check_gate_for_half_life(lambda half_life: -1.0)
+        ch04.check_repeated_read(lambda g, beta: beta)
     except WrongAnswer as error:
         _wrong_answer_in_one_line(Shell(), WrongAnswer, error, error.__traceback__)
     assert len(shown) == 1 and len(shown[0]) == 1 and shown[0][0].startswith("Not yet: "), shown

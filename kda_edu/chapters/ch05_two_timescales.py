@@ -222,16 +222,16 @@ def plot_gate_shapes(x: torch.Tensor, g_soft: torch.Tensor, g_low: torch.Tensor)
     from kda_edu.plotting import figure, finish
 
     fig, axes = figure(
-        "The softplus gate can erase a channel in one step; the bounded gate keeps at least exp(-5)",
+        r"The softplus gate can erase a channel in one step; the bounded gate keeps at least $e^{-5}$",
         [
-            ("gate input x + dt_bias (A_log = 0)", "log decay g per step"),
-            ("gate input x + dt_bias (A_log = 0)", "decay alpha = exp(g) per step"),
+            (r"gate input $x + \delta$ ($A_{\log} = 0$)", "log decay $g$ per step"),
+            (r"gate input $x + \delta$ ($A_{\log} = 0$)", r"decay $\alpha = e^{g}$ per step"),
         ],
         width=3.9,
     )
     for ax, f in zip(axes, (lambda t: t, torch.exp), strict=True):
-        ax.plot(x, f(g_soft), label="softplus: -softplus(x)")
-        ax.plot(x, f(g_low), label="lower bound: -5 sigmoid(x)")
+        ax.plot(x, f(g_soft), label=r"softplus: $-\mathrm{softplus}(x)$")
+        ax.plot(x, f(g_low), label=r"lower bound: $-5\,\sigma(x)$")
         ax.legend(fontsize=8)
     axes[0].axhline(-5, color="gray", ls=":", lw=1)
     axes[0].set_ylim(-12, 0.5)
@@ -252,7 +252,7 @@ def plot_channel_half_lives(
     lives = math.log(2) / -g.min(), math.log(2) / -g.max()
     fig, (ax,) = figure(
         f"Half-lives from {lives[0]:.3g} to {lives[1]:.3g} steps",
-        [("steps n since the write (log scale)", "fraction of the memory kept, exp(n g)")],
+        [("steps $n$ since the write (log scale)", "fraction of the memory kept, $e^{n g}$")],
         width=7.5,
     )
     plot_channel_retention(ax, g)
@@ -265,7 +265,7 @@ def plot_retention_settings(settings: list[tuple[str, float, str]], dt_center: f
 
     fig, axes = figure(
         "A dt_bias per channel spreads the half-lives over orders of magnitude; a scalar gate has one",
-        [("steps since the write (log)", "fraction kept, exp(n g)")] * len(settings),
+        [("steps $n$ since the write (log)", "fraction kept, $e^{n g}$")] * len(settings),
         width=3.1,
         height=3.4,
     )
@@ -289,13 +289,13 @@ def plot_gate_sweeps(decays: torch.Tensor, scalar: tuple, kda: tuple) -> None:
 
     fig, axes = figure(
         "One scalar decay must choose between facts and recent items; per-channel decay keeps both",
-        [("decay -g per step (log scale)", "squared error (1 = answer zero)")] * 2,
+        [("decay $-g$ per step (log scale)", "squared error (1 = answer zero)")] * 2,
         width=3.9,
         height=3.6,
     )
     names = (
-        "scalar gate g on all channels (Gated DeltaNet)",
-        "KDA: g = 0 on the slow half, g on the fast half",
+        "scalar gate $g$ on all channels (Gated DeltaNet)",
+        "KDA: $g = 0$ on the slow half, $g$ on the fast half",
     )
     for ax, (fact, recent), name in zip(axes, (scalar, kda), names, strict=True):
         for err, label, color in (
@@ -306,7 +306,7 @@ def plot_gate_sweeps(decays: torch.Tensor, scalar: tuple, kda: tuple) -> None:
             ax.plot(-decays[1:], err[1:], color=color, label=label)
             ax.axhline(err[0], color=color, ls=":", lw=1)
         ax.set_xscale("log")
-        ax.set_title(name + "\n(dotted: g = 0)", fontsize=9)
+        ax.set_title(name + "\n(dotted: $g = 0$)", fontsize=9)
         ax.set_ylim(0, 1.05)
     best_kda = ((kda[0] + kda[1]) / 2).min().item()
     axes[0].axhline(best_kda, color="C2", ls="--", label=f"best KDA mean, {best_kda:.2f}")

@@ -53,14 +53,14 @@ def plot_exponent_budget(lower_bound: float = -5.0, sub_chunk: int = 16):
         anchored.append(largest_exponent(gc, sub_chunk))
     fig, (ax,) = figure(
         f"Anchoring every {sub_chunk} rows caps the exponent; the chunk-start split grows with C",
-        [("chunk size C (steps)", "largest exponent x passed to exp(x)")],
+        [("chunk size $C$ (steps)", "largest exponent $x$ passed to $e^{x}$")],
     )
     ax.plot(chunk_sizes, naive, "o-", color="C3", label="split at the chunk start (naive)")
     ax.plot(chunk_sizes, anchored, "s-", color="C0", label=f"anchored every {sub_chunk} rows")
     ax.plot(chunk_sizes, [0] * len(chunk_sizes), "^-", color="C2", label="differences first (kda_chunked)")
     for dtype, color in ((torch.float32, "k"), (torch.float16, "gray")):
         ax.axhline(
-            math.log(torch.finfo(dtype).max), ls="--", color=color, lw=1, label=f"exp overflows {dtype}"
+            math.log(torch.finfo(dtype).max), ls="--", color=color, lw=1, label=f"$e^{{x}}$ overflows {dtype}"
         )
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
@@ -96,7 +96,7 @@ def plot_gate_bound_errors(bounds, errors: dict[str, list[float]]):
 
     fig, (ax,) = figure(
         "Bounded exponents hold to the gate bound their anchors were sized for",
-        [("gate lower bound g_min (log decay per step)", "relative error vs float64 loop")],
+        [(r"gate lower bound $g_{\min}$ (log decay per step)", "relative error vs float64 loop")],
     )
     for (name, errs), marker in zip(errors.items(), "ovs", strict=True):
         ax.semilogy(bounds, [min(e, 1.0) for e in errs], marker + "-", label=name)
@@ -117,16 +117,16 @@ def plot_chunk_timings(lengths, t_loop, t_matmul_same_flops, t_chunked, t_matmul
     fig, (ax1, ax2) = figure(
         "Beyond a few dozen tokens chunks beat the loop; the lead peaks where fixed costs stop mattering",
         [
-            ("sequence length T (tokens)", "time (s)"),
-            ("sequence length T (tokens)", "speed-up over the loop (x)"),
+            ("sequence length $T$ (tokens)", "time (s)"),
+            ("sequence length $T$ (tokens)", "speed-up over the loop (x)"),
         ],
     )
     ax1.loglog(lengths, [t_loop[T] for T in lengths], "o-", color="k", label="loop")
     ax1.loglog(
         lengths, [t_matmul_same_flops[T] for T in lengths], "x:", color="gray", label="one matmul, same FLOPs"
     )
-    forms = [(f"kda_chunked, C = {C}", ".-", t) for C, t in t_chunked.items()]
-    for label, style, t in forms + [("matmul form, C = 64", "s--", t_matmul_form)]:
+    forms = [(f"kda_chunked, $C = {C}$", ".-", t) for C, t in t_chunked.items()]
+    for label, style, t in forms + [("matmul form, $C = 64$", "s--", t_matmul_form)]:
         ax1.loglog(lengths, [t[T] for T in lengths], style, label=label)
         ax2.loglog(lengths, [t_loop[T] / t[T] for T in lengths], style, label=label)
     ax2.axhline(1.0, color="gray", lw=0.8)

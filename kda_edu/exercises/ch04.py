@@ -1,85 +1,166 @@
 """Exercises of chapter 4 (Gated DeltaNet): checkers and worked solutions.
 
-Each `check_*` runs the reader's function and compares what it gives with what Gated DeltaNet actually does;
-while the function returns the book's placeholder None, the checker only repeats the question. Each
-`solution_*` is the worked solution the book shows.
+Each `check_*` runs the reader's function and compares what it gives with what Gated DeltaNet actually does
+(the float64 recurrence, run by the checker); while the function returns the book's placeholder None, the
+checker only repeats the question. Each `solution_*` is the worked solution the book shows.
 """
 
-import math
-
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kda_edu.chapters.ch04_recall import retrieval_strength
-from kda_edu.exercises import as_number, expect, not_answered, passed
+from kda_edu.exercises import WrongAnswer, expect, not_answered, passed
 from kda_edu.ops.gated_delta import gated_delta_recurrent
 
-# Exercise 1: the gate for a given half-life.
+
+class Operations(TorchDispatchMode):
+    """Inside `with Operations() as ops:`, `ops.names` lists every operation PyTorch runs and `ops.shapes`
+    the shape of each one's (first) result."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.shapes = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.append(func.overloadpacket.__name__)
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        self.shapes.append(tuple(first.shape) if isinstance(first, torch.Tensor) else ())
+        return out
 
 
-def solution_gate_for_half_life(half_life: float) -> float:
-    """The log decay g with exp(g * half_life) = 1/2: g = -ln 2 / half_life."""
-    return -math.log(2) / half_life
+def call_and_record(fn, *args, shapes: bool = False):
+    """`fn(*args)` and the names of the operations it ran (and their result shapes with `shapes=True`); an
+    error in the reader's code becomes a one-line WrongAnswer."""
+    try:
+        with Operations() as ops:
+            out = fn(*args)
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        raise WrongAnswer(f"your function raised {type(error).__name__}: {str(error)[:60]}") from None
+    return (out, ops.names, ops.shapes) if shapes else (out, ops.names)
 
 
-def check_gate_for_half_life(gate) -> str:
-    """`gate(half_life)`: the constant log decay g that halves an association every `half_life` steps."""
-    if gate(10.0) is None:
-        return not_answered("write gate(half_life), the log decay g <= 0 with that half-life.")
-    for half_life in (2, 10, 37):
-        g = as_number(gate, float(half_life))
-        expect(g <= 0, f"for a half-life of {half_life} you give g = {g}; a log decay must be <= 0")
-        strength = retrieval_strength([g], 1.0, 16, half_life, orthogonal=True, batch=4)[0, -1].item()
-        expect(
-            abs(strength - 0.5) < 1e-4,
-            f"with your g = {g:.5g}, a pair keeps {strength:.4f} of its value after {half_life} steps, not 0.5. "
-            "Hint: after a steps the pair keeps exp(g)^a = exp(a g); solve exp(half_life * g) = 1/2.",
-        )
-    return passed("g = -ln 2 / half-life: a half-life of 100 tokens needs g = -0.0069.")
-
-
-# Exercise 2: a gate that clears the memory at document boundaries.
-
-
-def solution_boundary_gate(starts: torch.Tensor) -> torch.Tensor:
-    """g = -30 (alpha = exp(-30) ~ 1e-13, a reset) where a document starts, 0 (keep everything) elsewhere."""
-    return torch.where(starts, -30.0, 0.0)
-
-
-def check_boundary_gate(gate) -> str:
-    """`gate(starts)`: from a bool tensor `[T]` marking the first step of each document, the log decay `[T]`
-    with which Gated DeltaNet forgets everything before a document and nothing inside one."""
-    T, K = 24, 8
-    starts = torch.zeros(T, dtype=torch.bool)
-    starts[[0, 9, 17]] = True
-    g = gate(starts)
-    if g is None:
-        return not_answered("write gate(starts), returning the log decay [T] for a bool tensor starts [T].")
+def _tensor(out, shape, what: str) -> torch.Tensor:
     expect(
-        isinstance(g, torch.Tensor) and g.shape == (T,),
-        f"your gate must return a tensor of shape [T] = ({T},), one log decay per step",
+        isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(shape),
+        f"{what} must be a tensor of shape {list(shape)}",
     )
+    return out.to(torch.float64)
+
+
+# Exercise 1: the same pair, written again and again.
+
+
+def solution_repeated_read(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The factor c with `S_t^T k -> c v` when (k, v), k a unit key, is written at every step with gate g
+    and strength beta.
+
+    Read the recurrence along k: `r_t = S_t^T k = alpha (r_{t-1} - beta r_{t-1}) + beta v`, because
+    `k^T (I - beta k k^T) = (1 - beta) k^T`. So `r_t = alpha (1 - beta) r_{t-1} + beta v`, a scalar
+    recurrence whose fixed point is `r = beta v / (1 - alpha (1 - beta))`, reached from any state since
+    `alpha (1 - beta) < 1` when beta > 0.
+    """
+    return beta / (1 - g.exp() * (1 - beta))
+
+
+def check_repeated_read(read) -> str:
+    """`read(g, beta)`: for tensors g `[n]` (<= 0) and beta `[n]` (in (0, 1]), the factor c `[n]` with
+    `S_t^T k -> c v` when the same pair (k, v), k a unit key, is written at every step, in closed form."""
+    grid = torch.tensor([0.0, -0.01, -0.1, -1.0, -3.0], dtype=torch.float64)
+    g, beta = (
+        x.reshape(-1) for x in torch.meshgrid(grid, torch.tensor([0.1, 0.5, 1.0]).double(), indexing="ij")
+    )
+    out, ops = call_and_record(read, g.clone(), beta.clone())
+    if out is None:
+        return not_answered("write read(g, beta), the factor c with S^T k -> c v, one per (g, beta).")
+    c = _tensor(out, g.shape, "read(g, beta)")
+    # Measure: write (k, v) 300 times into a random state, one batch row per (g, beta); read along k.
+    n, K, T = g.shape[0], 6, 300
+    gen = torch.Generator().manual_seed(41)
+    k = torch.nn.functional.normalize(torch.randn(n, 1, 1, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(n, 1, 1, 1, generator=gen, dtype=torch.float64).expand(n, T, 1, 1)
+    S0 = torch.randn(n, 1, K, 1, generator=gen, dtype=torch.float64)
+    o, _ = gated_delta_recurrent(
+        k.expand(n, T, 1, K),
+        k.expand(n, T, 1, K),
+        v,
+        g[:, None, None].expand(n, T, 1),
+        beta[:, None, None].expand(n, T, 1),
+        scale=1.0,
+        initial_state=S0,
+    )
+    measured = o[:, -1, 0, 0] / v[:, -1, 0, 0]
+    error = (c - measured).abs().max().item()
+    worst = int((c - measured).abs().argmax())
+    expect(
+        error < 1e-9,
+        f"at g = {g[worst]:.2f}, beta = {beta[worst]:.1f} the read is {measured[worst]:.4f} v, not "
+        f"{c[worst]:.4f} v. Hint: read the recurrence along k.",
+    )
+    expect(
+        len(ops) <= 30,
+        f"right, but {len(ops)} tensor operations: that is a simulation; give c in closed form.",
+    )
+    return passed("c = beta / (1 - alpha (1 - beta)): only beta = 1 reads v back whatever the decay.")
+
+
+# Exercise 2: a reset after an end-of-document marker.
+
+
+def solution_reset_after_marker(ends: torch.Tensor) -> torch.Tensor:
+    """g = -30 (alpha ~ 1e-13) at the token after each end marker, 0 elsewhere.
+
+    The decay of step t acts before step t's write, so a reset at the marker itself would erase the
+    document the marker closes and carry the marker into the next one; the reset belongs one step later.
+    The gate of step t reads the marker of step t - 1, so it stays causal (a model gets the previous token
+    through its short convolution).
+    """
+    after = torch.zeros_like(ends)
+    after[1:] = ends[:-1]
+    return torch.where(after, -30.0, 0.0)
+
+
+def check_reset_after_marker(gate) -> str:
+    """`gate(ends)`: from a bool tensor `[T]` marking the last token of each document, the log decay `[T]`
+    with which Gated DeltaNet forgets everything before a document and nothing inside one, causally."""
+    T, K = 24, 8
+    ends = torch.zeros(T, dtype=torch.bool)
+    ends[[8, 16, T - 1]] = True
+    out, _ = call_and_record(gate, ends.clone())
+    if out is None:
+        return not_answered("write gate(ends), the log decay [T] for a bool tensor ends [T].")
+    g = _tensor(out, (T,), "gate(ends)")
     expect(bool((g <= 0).all()), "a log decay must be <= 0 at every step")
+    for p in (5, 9, 10, 17, 20):  # causal: the gate of steps < p may not change with the markers from p on
+        prefix = _tensor(call_and_record(gate, ends[:p].clone())[0], (p,), f"gate(ends[:{p}])")
+        expect(
+            torch.equal(prefix, g[:p]),
+            f"gate(ends[:{p}]) differs from gate(ends)[:{p}]: step t's gate may not read later markers.",
+        )
     gen = torch.Generator().manual_seed(6)
-    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1)
-    v = torch.randn(1, T, 1, K, generator=gen)
-    beta = torch.full((1, T, 1), 0.8)
-    g = g.float().reshape(1, T, 1)
-    for first, end in ((9, 17), (17, T)):
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(1, T, 1, K, generator=gen, dtype=torch.float64)
+    beta = torch.full((1, T, 1), 0.8, dtype=torch.float64)
+    g = g.reshape(1, T, 1)
+    for first, last in ((0, 8), (9, 16), (17, T - 1)):
+        end = last + 1
         _, whole = gated_delta_recurrent(
             k[:, :end], k[:, :end], v[:, :end], g[:, :end], beta[:, :end], output_final_state=True
         )
-        zero = torch.zeros_like(g[:, first:end])
         part = slice(first, end)
         _, alone = gated_delta_recurrent(
-            k[:, part], k[:, part], v[:, part], zero, beta[:, part], output_final_state=True
+            k[:, part],
+            k[:, part],
+            v[:, part],
+            torch.zeros_like(g[:, part]),
+            beta[:, part],
+            output_final_state=True,
         )
         expect(
             torch.allclose(whole, alone, atol=1e-5, rtol=0),
-            f"at the end of the document that starts at step {first}, the state differs from that of a model "
-            f"that read this document alone, with no decay, by up to {(whole - alone).abs().max():.3g}. Hint: "
-            "alpha = exp(g) should be (nearly) 0 at a start and exactly 1 everywhere else.",
+            f"at the marker of step {last} the state differs from that of the document alone by "
+            f"{(whole - alone).abs().max():.2g}",
         )
-    return passed("A data-dependent gate can reset the memory; a constant decay cannot.")
+    return passed("Decay acts before the write: the reset goes one step after the marker.")
 
 
 # Exercise 3: the decay between any two steps.
@@ -88,8 +169,9 @@ def check_boundary_gate(gate) -> str:
 def solution_decay_matrix(g: torch.Tensor) -> torch.Tensor:
     """`D[t, s] = exp(g_{s+1} + ... + g_t)` for s <= t, else 0, from cumulative sums of g `[T]`.
 
-    With `G = cumsum(g)`, the sum is `G_t - G_s`. Above the diagonal `G_t - G_s` is positive and could
-    overflow `exp`, so it is set to -inf first (exp(-inf) = 0) rather than zeroed after.
+    With `G = cumsum(g)`, the sum is `G_t - G_s`: the difference is taken before `exp`, because `exp(G_t)`
+    underflows and `exp(-G_s)` overflows once the gates add up to less than about -745 (float64). Above the
+    diagonal `G_t - G_s` is positive and could overflow too, so it is set to -inf first (exp(-inf) = 0).
     """
     G = g.cumsum(dim=0)
     diff = G[:, None] - G[None, :]
@@ -97,29 +179,41 @@ def solution_decay_matrix(g: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill(~causal, float("-inf")).exp()
 
 
-def check_decay_matrix(decay_matrix) -> str:
-    """`decay_matrix(g)`: for log decays g `[T]`, the `[T, T]` matrix of how much of the pair written at step
-    s is left at step t (0 for s > t)."""
-    T = 12
-    g = -torch.rand(T, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    D = decay_matrix(g)
-    if D is None:
-        return not_answered("write decay_matrix(g), returning the [T, T] matrix of decays for g [T].")
-    expect(
-        isinstance(D, torch.Tensor) and D.shape == (T, T),
-        f"decay_matrix must return a [T, T] = [{T}, {T}] tensor",
-    )
-    # Measure it: write e_s -> e_s at step s (orthonormal keys, beta = 1), read e_s at every step t.
+def _measured_decays(g: torch.Tensor) -> torch.Tensor:
+    """The decay matrix measured with Gated DeltaNet: write e_s -> e_s at step s (orthonormal keys, beta =
+    1), read e_s at every step t; batch row s reads the key of step s. `[t, s]`."""
+    T = g.shape[0]
     eye = torch.eye(T, dtype=torch.float64)
-    k = eye.reshape(1, T, 1, T).expand(T, T, 1, T)  # the same stream in every batch row
-    q = eye.reshape(T, 1, 1, T).expand(T, T, 1, T)  # batch row s reads the key of step s
+    k = eye.reshape(1, T, 1, T).expand(T, T, 1, T)
+    q = eye.reshape(T, 1, 1, T).expand(T, T, 1, T)
     o, _ = gated_delta_recurrent(
         q, k, k, g.expand(T, T)[..., None], torch.ones(T, T, 1, dtype=torch.float64), scale=1.0
     )
-    measured = o[..., 0, :].diagonal(dim1=0, dim2=2)  # [t, s]: entry s of S_t^T e_s
+    return o[..., 0, :].diagonal(dim1=0, dim2=2)
+
+
+def check_decay_matrix(decay_matrix) -> str:
+    """`decay_matrix(g)`: for log decays g `[T]`, the `[T, T]` matrix of how much of the pair written at step
+    s is left at step t (0 for s > t), without a Python loop."""
+    gen = torch.Generator().manual_seed(7)
+    counts = {}
+    for T, scale in ((12, 1.0), (30, 60.0), (8, 1.0), (64, 1.0)):  # scale 60: gates that add up to -1800
+        g = -scale * torch.rand(T, generator=gen, dtype=torch.float64)
+        out, ops = call_and_record(decay_matrix, g.clone())
+        if out is None:
+            return not_answered("write decay_matrix(g), returning the [T, T] matrix of decays for g [T].")
+        D = _tensor(out, (T, T), "decay_matrix(g)")
+        error = (D - _measured_decays(g)).abs().max().item()
+        expect(
+            error < 1e-9,
+            f"for T = {T}"
+            + (", steep gates," if scale > 1 else "")
+            + f" your matrix is off by {error:.2g}. "
+            + ("Hint: subtract before exp." if scale > 1 else "Hint: a difference of two cumulative sums."),
+        )
+        counts[T] = len(ops)
     expect(
-        torch.allclose(D.to(torch.float64), measured, atol=1e-9, rtol=0),
-        f"your matrix differs from the measured decays by up to {(D - measured).abs().max():.3g}. Hint: "
-        "D[t, s] = exp(g[s+1] + ... + g[t]); write the sum as a difference of two cumulative sums.",
+        counts[64] <= counts[8] + 4,
+        f"right, but {counts[64]} operations for T = 64 against {counts[8]} for T = 8: remove the loop.",
     )
-    return passed("The chunkwise algorithm of chapter 6 builds exactly this matrix, chunk by chunk.")
+    return passed("Chapter 6's chunkwise algorithm builds exactly this matrix, chunk by chunk.")

@@ -1,54 +1,92 @@
-"""Chapter 5's exercise checkers: each accepts the worked solution and rejects a typical wrong answer."""
+"""Chapter 5's exercise checkers: each accepts the worked solution, rejects a wrong answer with a one-line hint,
+and rejects the shortcut its exercise forbids."""
 
 import math
 
 import pytest
 import torch
+from exercise_checks import LONGEST, checker_tests
 
 from kda_edu.exercises import WrongAnswer, ch05
 
 
-def test_dplr_vectors():
-    assert "Correct" in ch05.check_dplr_vectors(ch05.solution_dplr_vectors)
-    with pytest.raises(WrongAnswer, match="second vector"):
-        ch05.check_dplr_vectors(lambda k, g, beta: (g.exp(), beta * k, k))  # forgot alpha on b
-    with pytest.raises(WrongAnswer, match="diagonal"):
-        ch05.check_dplr_vectors(lambda k, g, beta: (torch.ones_like(g), beta * k, g.exp() * k))
-    with pytest.raises(WrongAnswer, match="shape"):
-        ch05.check_dplr_vectors(lambda k, g, beta: (g.exp(), beta * k, (g.exp() * k)[:-1]))
+def _spread_evenly(p):
+    # wrong: the key spread evenly over a kept half and a fast half keeps 1/2 whatever p is
+    k = torch.full((8,), 8**-0.5, dtype=torch.float64)
+    return k, torch.tensor([0.0] * 4 + [-5.0] * 4, dtype=torch.float64)
 
 
-def test_max_safe_steps():
-    assert "Correct" in ch05.check_max_safe_steps(ch05.solution_max_safe_steps)
-    with pytest.raises(WrongAnswer, match="finfo"):  # float32's range for every dtype
-        ch05.check_max_safe_steps(lambda lb, dtype: math.floor(88.7 / -lb))
-    with pytest.raises(WrongAnswer, match="overflows"):
-        ch05.check_max_safe_steps(lambda lb, dtype: ch05.solution_max_safe_steps(lb, dtype) + 1)
-    with pytest.raises(WrongAnswer, match="int"):
-        ch05.check_max_safe_steps(lambda lb, dtype: math.log(torch.finfo(dtype).max) / -lb)
+def _undo_without_correction(S, k, v, g, beta):
+    # wrong: takes (I - beta k k^T)^-1 for I + beta k k^T
+    X = S - beta * torch.outer(k, v)
+    return (X + beta * torch.outer(k, k @ X)) / g.exp()[:, None]
 
 
-def test_half_life_bias():
-    assert "Correct" in ch05.check_half_life_bias(ch05.solution_half_life_bias)
-    with pytest.raises(WrongAnswer, match="exactly"):  # softplus(z) ~ exp(z): close for long half-lives only
-        ch05.check_half_life_bias(lambda h: torch.log(math.log(2) / h))
-    with pytest.raises(WrongAnswer, match="negative"):
-        ch05.check_half_life_bias(lambda h: torch.full_like(h, -1e4))
+CASES = [
+    # (checker, worked solution, a wrong answer)
+    (ch05.check_two_speed_key, ch05.solution_two_speed_key, _spread_evenly),
+    (
+        ch05.check_choose_gates,
+        ch05.solution_choose_gates,
+        lambda k: torch.where(ch05.solution_choose_gates(k) < 0, 0.0, -0.2),  # the halves swapped
+    ),
+    (ch05.check_undo_step, ch05.solution_undo_step, _undo_without_correction),
+]
+
+test_solution_passes, test_wrong_answer_is_rejected = checker_tests(CASES)
 
 
-def test_two_timescale_gates():
-    assert "Correct" in ch05.check_two_timescale_gates(ch05.solution_two_timescale_gates())
-    K = 2 * ch05.EXERCISE_TASK["half"]
-    with pytest.raises(WrongAnswer, match="best scalar"):  # one decay for every channel
-        ch05.check_two_timescale_gates(torch.full((K,), -0.2))
-    with pytest.raises(WrongAnswer, match="best scalar"):  # fast and slow halves swapped
-        ch05.check_two_timescale_gates(ch05.solution_two_timescale_gates().flip(0))
+@pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
+def test_placeholder_and_hints_are_one_line(check, solution, wrong):
+    assert check(lambda *args: None).startswith("Not answered yet")
+    with pytest.raises(WrongAnswer) as error:
+        check(wrong)
+    assert "\n" not in str(error.value) and len(str(error.value)) <= LONGEST, error.value
+
+
+def _one_rate(p):
+    # the per-head answer: a scalar gate that keeps p after one step keeps p^200 after 200
+    k = torch.zeros(8, dtype=torch.float64)
+    k[0] = 1.0
+    return k, torch.full((8,), math.log(p), dtype=torch.float64)
+
+
+def _solve(S, k, v, g, beta):
+    # right, but through a linear solve of the [K, K] transition
+    M = (torch.eye(k.shape[0], dtype=S.dtype) - beta * torch.outer(k, k)) * g.exp()
+    return torch.linalg.solve(M, S - beta * torch.outer(k, v))
+
+
+def _square_inverse(S, k, v, g, beta):
+    # right, but it builds the [K, K] inverse instead of working with vectors
+    inverse = torch.eye(k.shape[0], dtype=S.dtype) + beta / (1 - beta * k.dot(k)) * torch.outer(k, k)
+    return inverse @ (S - beta * torch.outer(k, v)) / g.exp()[:, None]
+
+
+@pytest.mark.parametrize(
+    "check, shortcut, message",
+    [
+        (ch05.check_two_speed_key, _one_rate, "after 200 steps"),
+        # the unshuffled answer: right for the chapter's channel order, not for a shuffled one
+        (
+            ch05.check_choose_gates,
+            lambda k: ch05.solution_choose_gates(ch05._exercise_task()[0].k[:, :, 0]),
+            "best scalar gate",
+        ),
+        (ch05.check_undo_step, _solve, "no solver"),
+        (ch05.check_undo_step, _square_inverse, "matrix"),
+    ],
+    ids=["one_rate", "fixed_channels", "solve", "square_inverse"],
+)
+def test_shortcuts_are_rejected(check, shortcut, message):
+    with pytest.raises(WrongAnswer, match=message):
+        check(shortcut)
+
+
+def test_bad_answers_are_named():
+    with pytest.raises(WrongAnswer, match="unit key"):
+        ch05.check_two_speed_key(lambda p: (torch.ones(8), torch.zeros(8)))
     with pytest.raises(WrongAnswer, match=r"\[-5, 0\]"):
-        ch05.check_two_timescale_gates(torch.full((K,), -6.0))
-
-
-def test_placeholder_is_not_answered():
-    assert ch05.check_dplr_vectors(lambda k, g, beta: None).startswith("Not answered yet")
-    assert ch05.check_max_safe_steps(lambda lower_bound, dtype: None).startswith("Not answered yet")
-    assert ch05.check_half_life_bias(lambda half_lives: None).startswith("Not answered yet")
-    assert ch05.check_two_timescale_gates(None).startswith("Not answered yet")
+        ch05.check_choose_gates(lambda k: torch.full((16,), -6.0))
+    with pytest.raises(WrongAnswer, match="shape"):
+        ch05.check_undo_step(lambda S, k, v, g, beta: S.T)

@@ -1,8 +1,9 @@
 # Continue the GPU recall sweep: sweep.sh GPUS WORKERS MAX_MINUTES TIMEOUT_S [TASK:LEN ...], GPUS e.g. 1 or 0,1
 # Runs not started by MAX_MINUTES stay pending, and so do runs not expected to end 30 s before TIMEOUT_S (the
 # file's own timings; the longest start first); runs still going at TIMEOUT_S are lost. Logs and results go to $OUT;
-# copy $OUT/recall_gpu.json and .csv back into bench/results/ after the call. Keep TIMEOUT_S below the call's
-# limit_s, which is less than timeout_s when little device time is left.
+# copy $OUT/recall_gpu.json back into bench/results/ after the call (the .csv beside it is for reading by eye and
+# is not committed). Keep TIMEOUT_S below the call's limit_s, which is less than timeout_s when little device
+# time is left.
 # SWEEP_OPTS (environment) adds options, e.g. SWEEP_OPTS="--runs-per-worker 20"; the log ends with --cost's line.
 source bench/device/env.sh
 GPU=$1; WORKERS=$2; MAXMIN=$3; TMO=$4; shift 4

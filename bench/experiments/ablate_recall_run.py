@@ -24,7 +24,7 @@ configuration and held-out history, are merged into --out (JSON), so variants ca
 spread between them is the GPU path's run-to-run nondeterminism (the deterministic variant is its control).
 
     python -m bench.experiments.ablate_recall_run --task palindrome --seq-len 128 --mixer gated_deltanet --lr 1e-3 \\
-        --variants preset no_graph fp32_kernel torch_backend --out bench/results/ablate_gdn_palindrome128.json
+        --variants preset no_graph fp32_kernel torch_backend --out $OUT/ablate_gdn_palindrome128.json
 """
 
 import argparse

@@ -15,9 +15,8 @@ imported from the build folder. `--cpu-smoke` trains 3 steps of the build's "qui
 PyTorch backend, to check an export imports and runs before a GPU call.
 
 `--watch` looks for the run's first non-finite value with global hooks, so that it works with any build's own
-training loop (DeltaNet MQAR 1024 at 3e-3 had a NaN held-out loss on an early build, and
-`first_nonfinite.py` uses the loop of the build it belongs to). It switches the CUDA graph off (hooks run only while a graph is
-captured, and their checks read values back to the host) and trains `--watch-steps` steps. It records the
+training loop (DeltaNet MQAR 1024 at 3e-3 had a NaN held-out loss on an early build). It switches the CUDA
+graph off (hooks run only while a graph is captured, and their checks read values back to the host) and trains `--watch-steps` steps. It records the
 first event of each kind, with the optimiser step it happened at:
 
 - "forward": the first module whose output holds a non-finite value (in the order modules finish), whether

@@ -20,7 +20,7 @@ the state's norm after every chunk; for the inverses, their largest error agains
 16-row blocks.
 
     python -m bench.experiments.replay_nonfinite --build .builds/3590420 \\
-        --capture bench/results/capture_deltanet_mqar1024.pt --out bench/results/nonfinite_replay.json
+        --capture CAPTURE.pt --out $OUT/nonfinite_replay.json
 """
 
 import argparse

@@ -12,6 +12,11 @@ is not echoed again), and a ``WrongAnswer`` shows as ``Not yet: <hint>`` instead
 cell still ends in an error, so a worked solution that stops passing still fails the book's tests.
 """
 
+import importlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 
 class WrongAnswer(AssertionError):
     """The reader's answer does not pass the checker; the message says why."""
@@ -69,3 +74,75 @@ def as_number(fn, *args) -> float:
         return float(fn(*args))
     except (TypeError, ValueError) as error:
         raise WrongAnswer(f"your function must return a number for arguments {args}, got: {error}") from None
+
+
+class OperationLog(TorchDispatchMode):
+    """Inside `with OperationLog() as ops:`, record every operation PyTorch runs: `ops.names` (e.g. "mm"),
+    `ops.count` of them, `ops.shapes` (the shape of each one's first result), `ops.products` (the result
+    shape of every matrix product) and `ops.largest` (the most numbers of any tensor an operation made)."""
+
+    PRODUCTS = {"mm", "bmm", "mv", "addmm", "matmul", "dot", "baddbmm", "addmv"}
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.shapes, self.products, self.largest = [], [], [], 0
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.names.append(name)
+        parts = [
+            p for p in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(p, torch.Tensor)
+        ]
+        self.shapes.append(tuple(parts[0].shape) if parts else ())
+        if name in self.PRODUCTS and parts:
+            self.products.append(tuple(parts[0].shape))
+        for part in parts:
+            self.largest = max(self.largest, part.numel())
+        return out
+
+
+def call_and_record(fn, *args, shapes: bool = False):
+    """`fn(*args)` and the names of the operations it ran (and their result shapes with `shapes=True`); an
+    error in the reader's code becomes a one-line WrongAnswer."""
+    try:
+        with OperationLog() as ops:
+            out = fn(*args)
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        raise WrongAnswer(f"your function raised {type(error).__name__}: {str(error)[:60]}") from None
+    return (out, ops.names, ops.shapes) if shapes else (out, ops.names)
+
+
+def run_refusing(fn, args, targets, advice: str):
+    """`fn(*args)` with the functions `targets` names (pairs of a module name or an object, and attribute names)
+    replaced by ones that raise `WrongAnswer("your function calls <name>: <advice>")`; a name the reader
+    imported before the check (`from torch.autograd import grad`) is found among the function's globals.
+    Everything is put back afterwards, whatever happens."""
+    saved = []
+    for owner, names in targets:
+        owner = importlib.import_module(owner) if isinstance(owner, str) else owner
+        saved += [(owner, name, getattr(owner, name)) for name in names if hasattr(owner, name)]
+
+    def refuse(label):
+        def refused(*_, **__):
+            raise WrongAnswer(f"your function calls {label}: {advice}")
+
+        return refused
+
+    labels = {id(f): f"{getattr(o, '__name__', o)}.{name}" for o, name, f in saved}
+    for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
+        called = labels.get(id(getattr(fn, "__globals__", {}).get(name)))
+        expect(called is None, f"your function calls {called}: {advice}")
+    try:
+        for owner, name, original in saved:
+            setattr(owner, name, refuse(labels[id(original)]))
+        return fn(*args)
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

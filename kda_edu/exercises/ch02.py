@@ -7,13 +7,10 @@ solutions are the `solution_*` functions, shown in the book's collapsed cells. `
 shortcut), serve chapter 3's checkers too.
 """
 
-import importlib
-
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from kda_edu.exercises import WrongAnswer, expect, not_answered, passed
+from kda_edu.exercises import OperationLog, WrongAnswer, expect, not_answered, passed, run_refusing
 from kda_edu.ops.linear_attention import linear_attention_recurrent
 
 
@@ -171,27 +168,6 @@ def _decayed_loop(q, k, v, a):
     return o, S
 
 
-class OperationLog(TorchDispatchMode):
-    """Inside `with OperationLog() as ops:`, record every operation PyTorch runs: `ops.names` (e.g. "mm"),
-    `ops.count` of them, and `ops.largest`, the most numbers of any tensor an operation made."""
-
-    def __init__(self):
-        super().__init__()
-        self.names, self.largest = [], 0
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.names.append(func.overloadpacket.__name__)
-        for part in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(part, torch.Tensor):
-                self.largest = max(self.largest, part.numel())
-        return out
-
-
 # The functions that would answer exercise 3 without building the chunks: refused while it is checked.
 _LIBRARY = (
     (
@@ -200,36 +176,6 @@ _LIBRARY = (
     ),
     ("kda_edu.ops.recurrence", ("general_recurrence",)),
 )
-
-
-def run_refusing(fn, args, targets, advice: str):
-    """`fn(*args)` with the functions `targets` names (pairs of a module name or an object, and attribute names)
-    replaced by ones that raise `WrongAnswer("your function calls <name>: <advice>")`; a name the reader
-    imported before the check (`from torch.autograd import grad`) is found among the function's globals."""
-    saved = []
-    for owner, names in targets:
-        owner = importlib.import_module(owner) if isinstance(owner, str) else owner
-        saved += [(owner, name, getattr(owner, name)) for name in names if hasattr(owner, name)]
-
-    def refuse(label):
-        def refused(*_, **__):
-            raise WrongAnswer(f"your function calls {label}: {advice}")
-
-        return refused
-
-    labels = {id(f): f"{getattr(o, '__name__', o)}.{name}" for o, name, f in saved}
-    for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
-        called = labels.get(id(getattr(fn, "__globals__", {}).get(name)))
-        expect(called is None, f"your function calls {called}: {advice}")
-    try:
-        for owner, name, original in saved:
-            setattr(owner, name, refuse(labels[id(original)]))
-        return fn(*args)
-    except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
 
 
 def _chunked_outputs(fn, q, k, v, a, C):

@@ -9,8 +9,7 @@ import math
 
 import torch
 
-from kda_edu.exercises import WrongAnswer, as_number, expect, not_answered, passed
-from kda_edu.exercises.ch02 import OperationLog, run_refusing
+from kda_edu.exercises import OperationLog, WrongAnswer, as_number, expect, not_answered, passed, run_refusing
 from kda_edu.ops.delta_rule import delta_rule_recurrent
 from kda_edu.ops.online_regression import gradient_step, regression_loss
 

@@ -6,37 +6,9 @@ checker only repeats the question. Each `solution_*` is the worked solution the 
 """
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from kda_edu.exercises import WrongAnswer, expect, not_answered, passed
+from kda_edu.exercises import call_and_record, expect, not_answered, passed
 from kda_edu.ops.gated_delta import gated_delta_recurrent
-
-
-class Operations(TorchDispatchMode):
-    """Inside `with Operations() as ops:`, `ops.names` lists every operation PyTorch runs and `ops.shapes`
-    the shape of each one's (first) result."""
-
-    def __init__(self):
-        super().__init__()
-        self.names, self.shapes = [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.names.append(func.overloadpacket.__name__)
-        first = out[0] if isinstance(out, (tuple, list)) and out else out
-        self.shapes.append(tuple(first.shape) if isinstance(first, torch.Tensor) else ())
-        return out
-
-
-def call_and_record(fn, *args, shapes: bool = False):
-    """`fn(*args)` and the names of the operations it ran (and their result shapes with `shapes=True`); an
-    error in the reader's code becomes a one-line WrongAnswer."""
-    try:
-        with Operations() as ops:
-            out = fn(*args)
-    except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {str(error)[:60]}") from None
-    return (out, ops.names, ops.shapes) if shapes else (out, ops.names)
 
 
 def _tensor(out, shape, what: str) -> torch.Tensor:

@@ -11,8 +11,7 @@ import math
 import torch
 
 from kda_edu.chapters.ch05_two_timescales import TwoTimescaleTask, channel_gates, make_task, retrieval_errors
-from kda_edu.exercises import expect, not_answered, passed
-from kda_edu.exercises.ch04 import call_and_record
+from kda_edu.exercises import call_and_record, expect, not_answered, passed
 from kda_edu.ops.kda import kda_recurrent
 
 # Exercise 2 always uses this task (the chapter's CPU size), whatever device the book runs on.

@@ -9,9 +9,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import OperationLog, WrongAnswer, expect, passed, run_refusing
 from kda_edu.ops.chunkwise import parallel_scan, transition_product
 
 
@@ -28,26 +27,7 @@ def _tensor(fn, shape, *args) -> torch.Tensor:
     return out
 
 
-class _Operations(TorchDispatchMode):
-    """Inside `with _Operations() as ops:`, record every operation PyTorch runs: `ops.names` (e.g. "mm") and,
-    for every matrix product, the shape of its result (`ops.products`)."""
-
-    PRODUCTS = {"mm", "bmm", "mv", "addmm", "matmul", "dot", "baddbmm", "addmv"}
-
-    def __init__(self):
-        super().__init__()
-        self.names, self.products = [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        self.names.append(name)
-        if name in self.PRODUCTS:
-            self.products.append(tuple(out.shape))
-        return out
-
-
-def _solver_used(ops: _Operations) -> str | None:
+def _solver_used(ops: OperationLog) -> str | None:
     """The name of a linear-algebra routine (inverse, solve, factorisation) among the recorded operations."""
     banned = ("linalg_", "inverse", "triangular_solve", "cholesky", "lu_unpack", "_lu_with_info", "_solve")
     return next((n for n in ops.names if n.startswith(banned) or any(b in n for b in banned[1:])), None)
@@ -122,7 +102,7 @@ def check_unit_lower_inverse(inverse) -> str:
     for C in (2, 3, 16, 33, 64):
         k, beta = _keys(C, 16, gen)
         A = (beta[:, None] * (k @ k.T)).tril(-1)
-        with _Operations() as ops:
+        with OperationLog() as ops:
             got = _tensor(inverse, (C, C), A.clone())
         eye = torch.eye(C, dtype=A.dtype)
         expected = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
@@ -205,7 +185,7 @@ def check_block_inverse(inverse) -> str:
     for C, block in ((16, 16), (64, 16), (48, 16), (64, 8), (40, 16)):
         k, beta = _keys(C, 16, gen)
         A = (beta[:, None] * (k @ k.T)).tril(-1)
-        with _Operations() as ops:
+        with OperationLog() as ops:
             got = _tensor(inverse, (C, C), A.clone(), block)
         eye = torch.eye(C, dtype=A.dtype)
         expected = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
@@ -266,7 +246,7 @@ def solution_chunked_delta_rule(
 
 def _delta_rule_loop(q, k, v, beta):
     """The checker's reference, the package's loop (`delta_rule_recurrent`) for one head, unscaled, called
-    outside `_NoLibrary`: `(o [T, V], S_T [K, V])`."""
+    outside the refusal: `(o [T, V], S_T [K, V])`."""
     from kda_edu.ops.delta_rule import delta_rule_recurrent
 
     o, S = delta_rule_recurrent(
@@ -275,67 +255,23 @@ def _delta_rule_loop(q, k, v, beta):
     return o[0, :, 0], S[0, 0]
 
 
-class _NoLibrary:
-    """Inside `with _NoLibrary():`, the package's own delta-rule and chunked forms raise: the capstone is to be
-    built from tensor operations, not by calling the implementation the chapter shows."""
-
-    TARGETS = (
-        ("kda_edu.ops.delta_rule", ("delta_rule_recurrent", "delta_rule_chunked")),
-        ("kda_edu.ops.kda", ("kda_recurrent", "kda_chunked")),
-        ("kda_edu.ops.gated_delta", ("gated_delta_recurrent", "gated_delta_chunked")),
-        ("kda_edu.ops.chunkwise", ("kda_chunked_matmul", "kda_scan", "ut_transform", "forward_substitution")),
-        ("kda_edu.ops._chunks", ("state_passing",)),
-        ("kda_edu.ops.recurrence", ("general_recurrence",)),
-        ("kda_edu.chapters.ch06_chunkwise", ("chunked_kda",)),  # with g = 0 it is the answer
-    )
-
-    def __init__(self, fn=None):
-        self.fn = fn
-
-    def __enter__(self):
-        import importlib
-
-        self.saved = []
-        for module_name, names in self.TARGETS:
-            module = importlib.import_module(module_name)
-            for name in names:
-                if hasattr(module, name):
-                    self.saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, self._refuse(f"{module_name}.{name}"))
-        # A name imported before the check (`from kda_edu.ops.kda import kda_chunked`) is bound in the
-        # reader's module already: look it up among the globals the function reads.
-        code, known = (
-            getattr(self.fn, "__code__", None),
-            {id(f): f"{m.__name__}.{n}" for m, n, f in self.saved},
-        )
-        for name in code.co_names if code is not None else ():
-            qualified = known.get(id(getattr(self.fn, "__globals__", {}).get(name)))
-            if qualified is not None:
-                self.__exit__()
-                raise WrongAnswer(f"your function calls {qualified}: build the chunks from tensor operations")
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in self.saved:
-            setattr(module, name, original)
-
-    @staticmethod
-    def _refuse(qualified: str):
-        def refuse(*args, **kwargs):
-            raise WrongAnswer(f"your function called {qualified}: build the chunks from tensor operations")
-
-        return refuse
+# The package's own delta-rule and chunked forms: the capstone is to be built from tensor operations, not by
+# calling the implementation the chapter shows. Refused while it is checked.
+_LIBRARY = (
+    ("kda_edu.ops.delta_rule", ("delta_rule_recurrent", "delta_rule_chunked")),
+    ("kda_edu.ops.kda", ("kda_recurrent", "kda_chunked")),
+    ("kda_edu.ops.gated_delta", ("gated_delta_recurrent", "gated_delta_chunked")),
+    ("kda_edu.ops.chunkwise", ("kda_chunked_matmul", "kda_scan", "ut_transform", "forward_substitution")),
+    ("kda_edu.ops._chunks", ("state_passing",)),
+    ("kda_edu.ops.recurrence", ("general_recurrence",)),
+    ("kda_edu.chapters.ch06_chunkwise", ("chunked_kda",)),  # with g = 0 it is the answer
+)
 
 
 def _run_chunked(fn, q, k, v, beta, C):
     T, V = v.shape
-    try:
-        with _NoLibrary(fn):
-            out = fn(q.clone(), k.clone(), v.clone(), beta.clone(), C)
-    except WrongAnswer:
-        raise
-    except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+    args = (q.clone(), k.clone(), v.clone(), beta.clone(), C)
+    out = run_refusing(fn, args, _LIBRARY, "build the chunks from tensor operations")
     expect(
         isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out),
         "your function must return a pair (o [T, V], final state [K, V])",
@@ -378,7 +314,7 @@ def check_chunked_delta_rule(chunked) -> str:
         q = torch.randn(T, K, generator=gen, dtype=torch.float64)
         k, beta = _keys(T, K, gen)
         v = torch.randn(T, V, generator=gen, dtype=torch.float64)
-        with _Operations() as ops:
+        with OperationLog() as ops:
             _run_chunked(chunked, q, k, v, beta, C)
         counts[C] = len(ops.names)
     expect(

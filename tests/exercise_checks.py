@@ -1,4 +1,5 @@
-"""The two tests every chapter's exercise checkers get: the worked solution passes, a wrong answer is rejected."""
+"""The two tests every chapter's exercise checkers get: the worked solution passes, a wrong answer is rejected,
+each verdict one short line."""
 
 import pytest
 
@@ -21,7 +22,9 @@ def checker_tests(cases):
 
     @parametrize
     def test_wrong_answer_is_rejected(check, solution, wrong):
-        with pytest.raises(WrongAnswer):
+        with pytest.raises(WrongAnswer) as error:
             check(wrong)
+        hint = "Not yet: " + str(error.value)  # as the page shows it
+        assert "\n" not in hint and len(hint) <= LONGEST, hint
 
     return test_solution_passes, test_wrong_answer_is_rejected

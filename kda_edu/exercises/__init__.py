@@ -61,6 +61,18 @@ def expect(condition: bool, hint: str) -> None:
         raise WrongAnswer(hint)
 
 
+LONGEST = 110  # characters of a verdict as the page shows it ("Not yet: " or "Correct! " included): one line
+
+
+def raised(error: Exception, who: str = "your function") -> WrongAnswer:
+    """The verdict for an error the reader's code raised: its type and as much of its message's first line as
+    fits on one line of the page (a PyTorch message can run to several lines and hundreds of characters)."""
+    head = f"{who} raised {type(error).__name__}: "
+    first_line = str(error).split("\n", 1)[0]
+    room = LONGEST - len("Not yet: ") - len(head)
+    return WrongAnswer(head + (first_line if len(first_line) <= room else first_line[: room - 3] + "..."))
+
+
 def not_answered(question: str) -> str:
     """What a checker says while the answer is still the placeholder None: the question again."""
     text = Feedback(f"Not answered yet: {question}")
@@ -113,7 +125,7 @@ def call_and_record(fn, *args, shapes: bool = False):
         with OperationLog() as ops:
             out = fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {str(error)[:60]}") from None
+        raise raised(error) from None
     return (out, ops.names, ops.shapes) if shapes else (out, ops.names)
 
 
@@ -142,7 +154,7 @@ def run_refusing(fn, args, targets, advice: str):
             setattr(owner, name, refuse(labels[id(original)]))
         return fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kda_edu.exercises import OperationLog, WrongAnswer, expect, passed, run_refusing
+from kda_edu.exercises import OperationLog, expect, passed, raised, run_refusing
 from kda_edu.ops.chunkwise import parallel_scan, transition_product
 
 
@@ -18,7 +18,7 @@ def _tensor(fn, shape, *args) -> torch.Tensor:
     try:
         out = fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
     expect(
         isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(shape),
         f"your function must return a tensor of shape {tuple(shape)}, got "
@@ -67,13 +67,13 @@ def check_wy(wy) -> str:
             naive = torch.eye(K, dtype=k.dtype) - k.T @ (beta[:, None] * k)
             expect(
                 not torch.allclose(got, naive, atol=1e-9),
-                f"for n = {n}, your W is Diag(beta) k: that is right for one step only. Hint: multiply "
-                "I - k_1 w_1^T by I - beta_2 k_2 k_2^T and collect the new term k_2 (...)^T.",
+                "W = Diag(beta) k holds for n = 1 only. Hint: multiply by I - beta_2 k_2 k_2^T, collect "
+                "k_2 (...)^T.",
             )
         expect(
             error < 1e-9,
-            f"for n = {n}, K = {K}, I - k^T W differs from the product of transitions by up to {error:.3g}. "
-            "Hint: the transitions are applied in order, step 1 first (rightmost).",
+            f"for n = {n}, K = {K}, I - k^T W is off by {error:.3g}. Hint: apply the transitions in order, "
+            "step 1 first.",
         )
     return passed("The product of n transitions is the identity minus a rank-n matrix, k^T W.")
 
@@ -109,16 +109,16 @@ def check_unit_lower_inverse(inverse) -> str:
         error = (got - expected).abs().max().item()
         expect(
             error < 1e-9,
-            f"for C = {C}, your inverse is off by up to {error:.3g}. Hint: (I + A)^-1 = I - A + A^2 - ..., "
-            "and the series stops because A^C = 0. Group the terms as (I - A)(I + A^2)(I + A^4)...",
+            f"C = {C}: inverse off by {error:.3g}. "
+            "Hint: A^C = 0, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...",
         )
         solver = _solver_used(ops)
         expect(solver is None, f"right inverse, but through {solver}: build it from matrix products only.")
         rounds = math.ceil(math.log2(C))
         expect(
             len(ops.products) <= 2 * rounds + 2 and len(ops.names) <= 10 * rounds + 20,
-            f"right inverse, but for C = {C} it took {len(ops.products)} matrix products and {len(ops.names)} "
-            f"operations; about log2(C) = {rounds} rounds of two products each are enough.",
+            f"right inverse, but C = {C} took {len(ops.products)} matrix products and {len(ops.names)} "
+            f"operations; {rounds} rounds of 2 suffice.",
         )
     return passed("log2(C) squarings invert a C x C unit lower-triangular matrix: no row-by-row loop.")
 
@@ -148,14 +148,12 @@ def check_compose_diagonal(compose) -> str:
         try:
             _, states = parallel_scan((a, X), compose)
         except (TypeError, ValueError, RuntimeError, IndexError) as error:
-            raise WrongAnswer(
-                f"parallel_scan with your compose raised {type(error).__name__}: {error}"
-            ) from None
+            raise raised(error, "parallel_scan with your compose") from None
         error = (states - torch.stack(expected)).abs().max().item()
         expect(
             error < 1e-10,
-            f"for T = {T}, the scan with your compose differs from the loop by up to {error:.3g}. Hint: apply "
-            "the earlier map first, Diag(a2) (Diag(a1) S + X1) + X2, and read off the new a and X.",
+            f"T = {T}: scan off by {error:.3g}. Hint: expand Diag(a2) (Diag(a1) S + X1) + X2 and read off a "
+            "and X.",
         )
     return passed("With diagonal transitions a scan costs O(T K V), the same as the loop.")
 
@@ -192,8 +190,7 @@ def check_block_inverse(inverse) -> str:
         error = (got - expected).abs().max().item()
         expect(
             error < 1e-9,
-            f"for C = {C} and blocks of {block}, your inverse is off by up to {error:.3g}. Hint: inverting only "
-            "the diagonal blocks is not enough; block row a also needs the block rows above it, "
+            f"C = {C}, block {block}: off by {error:.3g}. Hint: use the rows above, "
             "X_a = (I + A_aa)^-1 (E_a - A_a,<a X_<a).",
         )
         solver = _solver_used(ops)
@@ -203,8 +200,8 @@ def check_block_inverse(inverse) -> str:
         tall = [shape for shape in ops.products if shape and shape[0] > block]
         expect(
             not tall,
-            f"right inverse, but a matrix product made {tall[0][0] if tall else 0} rows at once; work one block "
-            f"row of {block} rows at a time, inverting only the {block} x {block} diagonal blocks.",
+            f"right inverse, but a product made {tall[0][0] if tall else 0} rows at once; go one block row "
+            f"of {block} rows at a time.",
         )
     return passed(
         "Only the diagonal blocks are inverted; the rest is matrix products, block row by block row."
@@ -271,7 +268,7 @@ _LIBRARY = (
 def _run_chunked(fn, q, k, v, beta, C):
     T, V = v.shape
     args = (q.clone(), k.clone(), v.clone(), beta.clone(), C)
-    out = run_refusing(fn, args, _LIBRARY, "build the chunks from tensor operations")
+    out = run_refusing(fn, args, _LIBRARY, "use tensor operations")
     expect(
         isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out),
         "your function must return a pair (o [T, V], final state [K, V])",
@@ -279,8 +276,7 @@ def _run_chunked(fn, q, k, v, beta, C):
     o, S = out
     expect(
         tuple(o.shape) == (T, V) and tuple(S.shape) == (k.shape[1], V),
-        f"expected o of shape {(T, V)} and a final state of shape {(k.shape[1], V)}, got {tuple(o.shape)} and "
-        f"{tuple(S.shape)}",
+        f"expected o {(T, V)} and a final state {(k.shape[1], V)}, got {tuple(o.shape)} and {tuple(S.shape)}",
     )
     return o, S
 
@@ -297,14 +293,13 @@ def check_chunked_delta_rule(chunked) -> str:
         o_err, S_err = (o - o_ref).abs().max().item(), (S - S_ref).abs().max().item()
         expect(
             o_err < 1e-9,
-            f"for T = {T}, C = {C}, your outputs differ from the loop's by up to {o_err:.3g}. Hints: A is "
-            "strictly lower triangular (j < i), the output's Tril(Q K^T) keeps the diagonal (j <= i), and "
-            "U = u - w S uses the state entering the chunk.",
+            f"T = {T}, C = {C}: o off by {o_err:.3g}. Hint: A has j < i, Tril(Q K^T) j <= i; U uses the "
+            "entering S.",
         )
         expect(
             S_err < 1e-9,
-            f"for T = {T}, C = {C}, the outputs are right but the final state is off by {S_err:.3g}: "
-            "S <- S + K^T U after each chunk, the last (shorter) chunk included.",
+            f"T = {T}, C = {C}: o right, final state off by {S_err:.3g}: S += K^T U after every chunk, the "
+            "last too.",
         )
     # A chunked form runs a fixed amount of work per chunk, whatever C is: four chunks of 64 must not dispatch
     # many more operations than four chunks of 16 (a loop over tokens or rows would dispatch four times as many).
@@ -319,8 +314,7 @@ def check_chunked_delta_rule(chunked) -> str:
         counts[C] = len(ops.names)
     expect(
         counts[64] <= 1.5 * counts[16] + 8,
-        f"right answers, but not chunked: four chunks of 64 ran {counts[64]} operations against {counts[16]} for "
-        "four chunks of 16. Loop over chunks only; inside a chunk use matrix products and one triangular "
-        "solve (or exercise 2's inverse).",
+        f"right answers, but not chunked: 4 chunks of 64 ran {counts[64]} operations, 4 of 16 ran "
+        f"{counts[16]}.",
     )
     return passed("The chunked delta rule matches the loop, with a fixed number of operations per chunk.")

@@ -11,14 +11,14 @@ from unittest import mock
 
 import torch
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import WrongAnswer, expect, passed, raised
 
 
 def _call(fn, *args):
     try:
         return fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
 
 
 def _close(x, ref) -> float:
@@ -66,8 +66,8 @@ def check_dg_from_dgc(dg_from_dgc) -> str:
             )
         expect(
             err < 1e-12,
-            f"B={B}, T={T}, C={C}: relative error {err:.2e} against autograd. Hint: restart the sum at every "
-            "chunk boundary (T need not be a multiple of C).",
+            f"T={T}, C={C}: relative error {err:.3g}. Hint: restart at every chunk; T need not be a "
+            "multiple of C.",
         )
     return passed("dg is a reverse cumulative sum of dgc inside each chunk.")
 
@@ -100,8 +100,8 @@ def check_solve_backward(solve_backward) -> str:
         e_da = _close(out[0], A.grad.tril(-1))
         expect(
             e_da < 1e-10,
-            f"C={C}: dA is off by {e_da:.2e} (relative). Hint: d(X) = -X dA X, so dL/dA = -X^T du u^T; keep only "
-            "the strictly lower part.",
+            f"C={C}: dA is off by {e_da:.3g} (relative). Hint: dX = -X dA X gives -X^T du u^T, strictly "
+            "lower part.",
         )
     return passed("dA = -(X^T du) u^T: one extra solve, no second product with X.")
 

@@ -8,7 +8,7 @@ the book shows.
 import torch
 import torch.nn.functional as F
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import expect, passed, raised
 from kda_edu.layers.kda_layer import KDAConfig, KDALayer, ShortConv
 from kda_edu.ops.gates import kda_gate_lower_bound
 
@@ -17,7 +17,7 @@ def _call(fn, *args):
     try:
         return fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
 
 
 # Exercise 1: one decoding step of the short convolution.
@@ -54,14 +54,14 @@ def check_conv_step(fn) -> str:
             y, window = out
             expect(
                 tuple(y.shape) == (B, C) and tuple(window.shape) == (B, W - 1, C),
-                f"y_t must have shape [B, C] = {(B, C)} and the window [B, W - 1, C] = {(B, W - 1, C)}, "
-                f"got {tuple(y.shape)} and {tuple(window.shape)}",
+                f"y_t must have shape {(B, C)} and the window {(B, W - 1, C)}, got {tuple(y.shape)} and "
+                f"{tuple(window.shape)}",
             )
             error = (y - want[:, t]).abs().max().item()
             expect(
                 error < 1e-10,
-                f"at step {t} (W = {W}) y_t differs from ShortConv by {error:.3g}. Hint: weight[:, 0] multiplies "
-                "the oldest input, weight[:, W - 1] the current one; SiLU comes after the sum.",
+                f"step {t} (W = {W}): y_t off by {error:.3g}. Hint: weight[:, 0] takes the oldest input; "
+                "SiLU after the sum.",
             )
     return passed("Decoding needs only the last W - 1 inputs: the convolution's whole cache.")
 
@@ -94,8 +94,8 @@ def check_lower_bound_gate(fn) -> str:
         error = (got - want).abs().max().item()
         expect(
             error < 1e-10,
-            f"g differs from the library's gate by {error:.3g}. Hint: exp(A_log) is one slope per value head: "
-            "broadcast it over the K channels, and add dt_bias before scaling.",
+            f"g is off by {error:.3g}. Hint: exp(A_log) is one slope per value head, for all K; add dt_bias "
+            "first.",
         )
     return passed("Every step now forgets at most a factor exp(lower_bound) per channel.")
 
@@ -131,8 +131,7 @@ def check_kda_cache_bytes(fn) -> str:
         got = _call(fn, config, batch, dtype)
         expect(
             got == cache.nbytes(),
-            f"for {config} with batch {batch} in {dtype} the live cache holds {cache.nbytes()} bytes, you said "
-            f"{got}. Hint: the window holds W - 1 inputs of all C = 2 H K + HV V channels in the model's dtype; "
-            "the state is kept in float32 (float64 for a float64 model).",
+            f"{str(dtype)[6:]}, batch {batch}: cache {cache.nbytes()} B, you said {got!r:.8}; "
+            "(W - 1)(2HK + HV V) in dtype, state float32/64.",
         )
     return passed("A few kilobytes per layer and sequence, whatever the context length.")

@@ -7,7 +7,7 @@ shows.
 
 import torch
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import WrongAnswer, expect, passed, raised
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
 from kda_edu.models.costs import mla_token_cost
@@ -18,7 +18,7 @@ def _call(fn, *args):
     try:
         return fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError, AttributeError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
 
 
 # Exercise 1: absorb the key up-projection into the query.
@@ -49,8 +49,8 @@ def check_absorb_query(fn) -> str:
         error = (got - want).abs().max().item()
         expect(
             error < 1e-9,
-            f"scores over the latents differ from the expanded keys' scores by {error:.3g}. Hint: the key is "
-            "W_uk c, so q . (W_uk c) = (W_uk^T q) . c: contract q with W_uk over d_k.",
+            f"scores over the latents are off by {error:.3g}. Hint: q . (W_uk c) = (W_uk^T q) . c: contract "
+            "over d_k.",
         )
     return passed("One r-wide vector per head and query: attention runs over the cache as it is.")
 
@@ -80,9 +80,8 @@ def check_mqa_over_mha(fn) -> str:
         got = _call(fn, config, dr)
         expect(
             isinstance(got, (int, float)) and abs(got - want) < 1e-9 * want,
-            f"for r = {config.kv_rank}, d_k = {config.qk_head_dim}, d_v = {config.v_head_dim}, d_r = {dr} the "
-            f"ratio is {want:.4f}, you said {got}. Hint: count one multiply-add per number of the key for the "
-            "score and one per number of the value for the weighted sum; in MQA mode both are the latent.",
+            f"d_r = {dr}: ratio {want:.4g}, got {got!r:.8}. Hint: count key plus value widths; in MQA both "
+            "are the latent.",
         )
     return passed("DeepSeek-V3's and Kimi Linear's dimensions give (2 * 512 + 64) / (128 + 64 + 128) = 3.4.")
 
@@ -125,9 +124,14 @@ def check_greedy_decode(fn) -> str:
             isinstance(got, torch.Tensor) and tuple(got.shape) == (B, T + n),
             f"return the prompt followed by the new tokens, shape [B, T + n] = {(B, T + n)}",
         )
-        expect(
-            torch.equal(got, want),
-            f"your tokens {got[0, T:].tolist()} differ from generate()'s {want[0, T:].tolist()}. Hint: feed "
-            "only the new token through the cache after the prompt, and take the argmax of the last position.",
-        )
+        if not torch.equal(got, want):
+            b, i = (got != want).nonzero()[0].tolist()  # the first token that differs
+            expect(
+                i >= T,
+                f"sequence {b}: prompt position {i} changed; return the prompt as given, then the new tokens",
+            )
+            raise WrongAnswer(
+                f"sequence {b}, new token {i - T}: {got[b, i].item():g}, generate() says "
+                f"{want[b, i].item():g}. Hint: after the prompt, feed only the new token."
+            )
     return passed("One prefill, then one cached step per token: the same tokens as generate().")

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import expect, passed, raised
 from kda_edu.layers.kda_layer import KDAConfig
 from kda_edu.layers.mla import MLAConfig
 from kda_edu.models.costs import mla_token_cost
@@ -19,8 +19,8 @@ def _number(fn, *args) -> float:
     try:
         got = fn(*args)
     except (TypeError, ValueError, RuntimeError, ZeroDivisionError, AttributeError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
-    expect(isinstance(got, (int, float)) and math.isfinite(got), f"return a finite number, got {got!r}")
+        raise raised(error) from None
+    expect(isinstance(got, (int, float)) and math.isfinite(got), f"return a finite number, got {got!r:.40}")
     return float(got)
 
 
@@ -52,9 +52,8 @@ def check_crossover(fn) -> str:
         mqa = mla_token_cost(config, 64, S, "mqa", appended=max(1, round(n_star))).flops
         expect(
             n_star > 1 and lo > mqa > hi,
-            f"for r = {config.kv_rank}, d_k = {config.qk_head_dim}, d_v = {config.v_head_dim} your n* = {n_star:.1f} "
-            "does not separate the regimes. Hint: per cached position MHA mode costs (d_k + d_v)(r / n + 1) "
-            "multiply-adds per head, MQA mode 2 r.",
+            f"n* = {n_star:.1f} misses the crossover. Hint: per position MHA costs (d_k + d_v)(r / n + 1), "
+            "MQA 2 r.",
         )
     return passed("Decoding (n = 1) is far on MQA mode's side; a long prefill far on MHA mode's.")
 
@@ -94,8 +93,8 @@ def check_growing_fraction(fn) -> str:
         got = _number(fn, pattern, n_layers)
         expect(
             abs(got - want) < 1e-12,
-            f"for pattern {pattern!r} over {n_layers} layers the cache grows {want:.4f} times as fast as pure "
-            f"attention's, you said {got}. Hint: the pattern repeats over the depth and may be cut short.",
+            f"{pattern!r} over {n_layers} layers: want {want:.4g}, got {got:.4g}. Hint: the pattern repeats, "
+            "maybe cut short.",
         )
     return passed("Kimi Linear's 3:1 pattern keeps a quarter: the 75% reduction.")
 
@@ -123,8 +122,7 @@ def check_bandwidth_tokens_per_s(fn) -> str:
         want = bw / bytes_per_token
         expect(
             abs(got - want) <= 1e-9 * want,
-            f"with {w:.3g} weight bytes, {c:.3g} cache bytes per sequence, batch {b} and {bw:.3g} B/s the bound "
-            f"is {want:.4g} tokens/s, you said {got:.4g}. Hint: one step reads the weights once for the whole "
-            "batch but each sequence's cache for its own token.",
+            f"batch {b}: want {want:.4g} tokens/s, got {got:.4g}: a step reads the weights once, every cache "
+            "once.",
         )
     return passed("A bigger batch amortises the weights; only a smaller cache amortises nothing away.")

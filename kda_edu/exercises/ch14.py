@@ -7,7 +7,7 @@ worked solution the book shows.
 
 import torch
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import expect, passed, raised
 from kda_edu.layers.attn_residuals import DepthAttention
 from kda_edu.layers.ffn import FFNConfig, build_ffn
 
@@ -16,7 +16,7 @@ def _call(fn, *args):
     try:
         return fn(*args)
     except (TypeError, ValueError, RuntimeError, ZeroDivisionError, AttributeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
 
 
 # Exercise 1: total and active parameters of a (latent) mixture of experts.
@@ -47,7 +47,7 @@ def check_moe_counts(fn) -> str:
     ]
     for d, config in cases:
         got = _call(fn, d, config)
-        expect(isinstance(got, (tuple, list)) and len(got) == 2, f"return (total, active), got {got!r}")
+        expect(isinstance(got, (tuple, list)) and len(got) == 2, f"return (total, active), got {got!r:.40}")
         torch.manual_seed(0)
         moe = build_ffn(d, config)
         total = sum(p.numel() for p in moe.parameters())
@@ -55,9 +55,8 @@ def check_moe_counts(fn) -> str:
         active = sum(p.numel() for p in moe.parameters() if p.grad is not None)
         expect(
             tuple(int(x) for x in got) == (total, active),
-            f"for D = {d} and {config} the live module has {total} parameters, {active} of them used by one "
-            f"token; you said {tuple(got)}. Hint: the router and the shared experts are always active, and a "
-            "latent MoE's experts read the latent width, not D.",
+            f"D = {d}, l = {config.latent_dim}: want ({total}, {active}), got {tuple(got)!r:.16}: router, "
+            "shared always on; experts read l",
         )
     return passed(
         "At K3's shape the routed experts are 98% of the parameters and 16 / 896 of them are active."
@@ -88,13 +87,12 @@ def check_depth_mix(fn) -> str:
         got = _call(fn, sources, query)
         expect(
             isinstance(got, torch.Tensor) and got.shape == want.shape,
-            f"return a tensor of shape {tuple(want.shape)}, got {getattr(got, 'shape', got)!r}",
+            f"return a tensor of shape {tuple(want.shape)}, got {getattr(got, 'shape', got)!r:.40}",
         )
         expect(
             torch.allclose(got.double(), want, rtol=1e-10, atol=1e-10),
-            f"with {S} sources of width {D} your mixture differs from DepthAttention's by "
-            f"{(got.double() - want).abs().max().item():.3g}. Hint: the keys are the RMS-normalised sources, the "
-            "values the sources themselves, and the softmax runs over the sources (depth), not over channels.",
+            f"{S} sources: off by {(got.double() - want).abs().max().item():.3g}. Hint: keys RMS-normed "
+            "sources, values the raw ones; softmax over depth.",
         )
     return passed(
         "A zero query would give the mean of the sources: the ordinary residual after the next norm."
@@ -123,12 +121,12 @@ def check_bias_update(fn) -> str:
         got = _call(fn, bias.clone(), load.clone(), rate)
         expect(
             isinstance(got, torch.Tensor) and got.shape == (E,),
-            f"return the new bias, a tensor of shape ({E},), got {getattr(got, 'shape', got)!r}",
+            f"return the new bias, a tensor of shape ({E},), got {getattr(got, 'shape', got)!r:.40}",
         )
+        j = (got.float() - moe.route_bias).abs().argmax().item()  # the expert furthest off, for the hint
         expect(
             torch.allclose(got.float(), moe.route_bias, rtol=0, atol=1e-6),
-            f"for load {load.tolist()} and rate {rate} the bias should become {moe.route_bias.tolist()}, you "
-            f"gave {got.tolist()}. Hint: an overloaded expert's bias goes down by the rate, an underloaded "
-            "one's up, by a fixed step whatever the size of the gap.",
+            f"expert {j} (load {load[j]:g}, mean {load.mean():.4g}): bias {got[j]:.4g}, want "
+            f"{moe.route_bias[j]:.4g}: move by the rate, down if overloaded.",
         )
     return passed("no loss term pulls against the language model; only the sign of each excess load counts.")

@@ -8,7 +8,7 @@ through the forward fold.
 import torch
 import torch.nn.functional as F
 
-from kda_edu.exercises import WrongAnswer, expect, passed
+from kda_edu.exercises import WrongAnswer, expect, passed, raised
 from kda_edu.ops.kda import kda_recurrent
 from kda_edu.parallel.context_parallel import reference_kernel, shard_layout, shard_map
 
@@ -17,7 +17,7 @@ def _call(fn, *args):
     try:
         return fn(*args)
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        raise WrongAnswer(f"your function raised {type(error).__name__}: {error}") from None
+        raise raised(error) from None
 
 
 def _shards(lengths, HV=2, K=4, V=3, seed=0):
@@ -69,9 +69,8 @@ def check_fold(fold) -> str:
             error = (got - want).abs().max().item()
             expect(
                 error < 1e-9,
-                f"with shards {lengths}, the state entering rank {upto} is off by up to {error:.3g} from the KDA "
-                f"loop's state at token {t}. Hint: the map of the earlier rank acts first: S -> M_r S + B_r, "
-                "rank 0 first (its M is zero: its state comes from the initial state, already in its B).",
+                f"shards {lengths}: state entering rank {upto} off by {error:.3g}. Hint: S -> M_r S + B_r, "
+                "rank 0 first.",
             )
     return passed("A rank needs only the maps of the ranks before it, applied in order.")
 
@@ -95,8 +94,8 @@ def check_boundary_bytes(boundary_bytes) -> str:
                 raise WrongAnswer("the scan sends the map's M, but also its B (what the shard adds).")
             expect(
                 got == want,
-                f"{scheme} at H={H}, K={K}, V={V}: expected {want} bytes, got {got}. Hint: a state is K x V "
-                "float32 numbers per head; a map is M (K x K) and B (K x V).",
+                f"{scheme}, H={H}, K={K}, V={V}: want {want} B, got {got!r:.8}. "
+                "Hint: state K x V; map K x K + K x V.",
             )
     return passed("At K = V the scan sends twice what state passing sends per boundary.")
 
@@ -138,7 +137,7 @@ def check_fold_grads(fold_grads) -> str:
             error = (got - want).abs().max().item()
             expect(
                 error < 1e-9,
-                f"with {n} ranks, the gradient leaving rank {after} is off by up to {error:.3g} from autograd. "
-                "Hint: the gradient runs backwards, from the last rank, and through the transpose of each M.",
+                f"{n} ranks: gradient leaving rank {after} off by {error:.3g}. Hint: from the last rank "
+                "back, through each M^T.",
             )
     return passed("The backward is the same fold, in reverse and with the maps transposed.")

@@ -42,6 +42,40 @@ def test_learned_memory_trains_and_reports():
 
 
 @pytest.mark.parametrize("heads, per_channel", [(1, True), (2, False), (1, False)])
+def test_per_token_gates_start_as_the_constant_ones_and_learn_from_the_tokens(heads, per_channel):
+    """W_g = 0 gives the constant-gate model's forward exactly (float64); the gates then have one value per
+    token, and the loss's gradient reaches W_g."""
+    torch.manual_seed(0)
+    task = tt.rotate_keys(tt.make_task(**SMALL, seed=7), 1)
+    task = tt.TwoTimescaleTask(*(t.double() for t in (task.k, task.v, task.queries, task.targets)), 2, 4)
+    const = tt.LearnedMemory(8, heads, per_channel, seed=0, gate_init="spread").double()
+    token = tt.LearnedMemory(8, heads, per_channel, seed=0, gate_init="spread", per_token=True).double()
+    for a, b in zip(const.errors(task), token.errors(task), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    B, T = task.k.shape[:2]
+    g = token.token_gates(task)
+    assert g.shape == ((B, T, 1, 8) if per_channel else (B, T, heads, 1)) and g.dtype == torch.float64
+    sum(token.errors(task)).backward()
+    assert token.W_g.grad.shape == (8 if per_channel else heads, 8) and token.W_g.grad.abs().max() > 0
+    with torch.no_grad():
+        token.W_g.normal_()
+    g = token.token_gates(task)
+    assert (g <= 0).all() and g.std(1).min() > 0  # now the gate differs from token to token
+    assert token.errors(task)[0] != const.errors(task)[0]
+
+
+def test_per_token_training_reports_the_gates_over_tokens():
+    r = tt.train_learned_memory(
+        1, True, seed=0, steps=3, task_kwargs=dict(batch=4, n_stream=20), gate_init="spread", per_token=True
+    )
+    per_token = ("gates", "gates_fact_tokens", "gates_stream_tokens", "gates_token_std")
+    assert all(len(r[key]) == 16 for key in per_token) and r["W_g_norm"] > 0
+    assert r["gates"] != r["gates_stream_tokens"]  # the mean over all tokens includes the fact tokens
+    with pytest.raises(TypeError, match="per_token must be True or False"):
+        tt.LearnedMemory(16, 1, True, seed=0, per_token="yes")
+
+
+@pytest.mark.parametrize("heads, per_channel", [(1, True), (2, False), (1, False)])
 def test_a_spread_start_covers_the_rates_log_uniformly(heads, per_channel):
     """Spread: the rates -g run log-uniformly over SPREAD (16 channels, or 2 heads at its ends); one scalar
     gate at the middle, the geometric mean. Flat: every gate at -softplus(-6)."""

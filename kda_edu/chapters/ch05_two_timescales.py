@@ -610,3 +610,47 @@ def train_learned_memory(
                 W_g_norm=model.W_g.norm().item(),
             )
     return result
+
+
+def compare_gate_runs(constant: list[dict], per_token: list[dict]) -> dict:
+    """What per-token gates changed: each run of `train_learned_memory(..., per_token=True)` against the
+    constant-gate run of the same model, start and seed.
+
+    Args:
+        constant, per_token: run records with `model`, `seed`, `gate_init`, `mean`, `gates` (and, per token,
+            `gates_stream_tokens`, `gates_token_std`, `loss_every_50`), the same runs in the same order.
+
+    Returns:
+        A dict: `runs`, the number of pairs; `error_change`, the largest relative change of a run's held-out
+        mean error; `kda_split`, for each spread-start KDA pair the (kept, decayed) channel counts, g > -0.01
+        and g < -0.1, of the constant gates and of the per-token gates' means over the stream tokens;
+        `token_std`, the largest standard deviation of a gate over the stream tokens in those runs; and
+        `loss_tail`, the largest relative spread of a per-token run's last four 50-step loss means.
+    """
+    if len(constant) != len(per_token):
+        raise ValueError(
+            f"constant and per_token must hold the same runs, got {len(constant)} and {len(per_token)}"
+        )
+    for c, t in zip(constant, per_token, strict=True):
+        if any(c[key] != t[key] for key in ("model", "seed", "gate_init")):
+            raise ValueError(
+                f"runs out of step: constant {c['model']}, seed {c['seed']}, {c['gate_init']} vs "
+                f"per token {t['model']}, seed {t['seed']}, {t['gate_init']}"
+            )
+
+    def split(gates):
+        return sum(g > -0.01 for g in gates), sum(g < -0.1 for g in gates)
+
+    kda = [
+        (c, t)
+        for c, t in zip(constant, per_token, strict=True)
+        if (c["gate_init"], c["model"]) == ("spread", "KDA")
+    ]
+    tails = ((max(c) - min(c)) / min(c) for c in (t["loss_every_50"][-4:] for t in per_token))
+    return dict(
+        runs=len(constant),
+        error_change=max(abs(t["mean"] / c["mean"] - 1) for c, t in zip(constant, per_token, strict=True)),
+        kda_split=[(split(c["gates"]), split(t["gates_stream_tokens"])) for c, t in kda],
+        token_std=max((s for _, t in kda for s in t["gates_token_std"]), default=0.0),
+        loss_tail=max(tails),
+    )

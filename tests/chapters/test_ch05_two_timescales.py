@@ -75,6 +75,29 @@ def test_per_token_training_reports_the_gates_over_tokens():
         tt.LearnedMemory(16, 1, True, seed=0, per_token="yes")
 
 
+def _run(model, init, mean, gates, **per_token):
+    return dict(model=model, seed=0, gate_init=init, mean=mean, gates=gates, **per_token)
+
+
+def test_compare_gate_runs_pairs_the_runs_and_measures_the_change():
+    kept_fast = [0.0] * 5 + [-0.2] * 11
+    constant = [_run("GDN, 1 head", "flat", 0.20, [0.0]), _run("KDA", "spread", 0.25, kept_fast)]
+    tok = dict(gates_token_std=[0.0] * 5 + [0.08] * 11, loss_every_50=[9.0, 1.0, 1.1, 1.0, 1.0])
+    moved = [0.0] * 4 + [-0.2] * 12  # one kept channel now decays
+    per_token = [
+        _run("GDN, 1 head", "flat", 0.21, [0.0], gates_stream_tokens=[0.0], **tok),
+        _run("KDA", "spread", 0.20, kept_fast, gates_stream_tokens=moved, **tok),
+    ]
+    c = tt.compare_gate_runs(constant, per_token)
+    assert c["runs"] == 2 and c["error_change"] == pytest.approx(0.2)  # KDA: 0.20 / 0.25 - 1
+    assert c["kda_split"] == [((5, 11), (4, 12))] and c["token_std"] == 0.08
+    assert c["loss_tail"] == pytest.approx(0.1)  # only the last four points: 1.0 ... 1.1
+    with pytest.raises(ValueError, match="runs out of step"):
+        tt.compare_gate_runs(constant, per_token[::-1])
+    with pytest.raises(ValueError, match="the same runs"):
+        tt.compare_gate_runs(constant, per_token[:1])
+
+
 @pytest.mark.parametrize("heads, per_channel", [(1, True), (2, False), (1, False)])
 def test_a_spread_start_covers_the_rates_log_uniformly(heads, per_channel):
     """Spread: the rates -g run log-uniformly over SPREAD (16 channels, or 2 heads at its ends); one scalar

@@ -452,12 +452,30 @@ class LearnedMemory(torch.nn.Module):
     (`per_channel=True`, one head), started all at -0.0025 (`gate_init="flat"`) or spread log-uniformly over
     the rates in `SPREAD` (`"spread"`). The read-out is a learned weighted sum of the heads' reads. Every variant
     keeps `K x V` numbers of state.
+
+    With `per_token=True` the gates are computed from each token, as a KDA layer computes them: the token's
+    input key `x_t` (the rotated key, before `W`) goes through a learned projection `W_g` `[n, K]` into
+    `kda_edu.ops.gates.kda_gate` with `A_log = 0` and `theta` as its bias, `g_t = -softplus(W_g x_t + theta)`.
+    `W_g` starts at zero, so training starts from the same constant gates. The projection is linear and a key
+    and its negative are equally likely, so it cannot give one half of the task a lower mean gate by the sign of
+    its keys; it can only make the gate vary from token to token (and, through softplus's curvature, lower the
+    mean gate of tokens whose keys it projects far from zero).
     """
 
-    def __init__(self, K: int, heads: int, per_channel: bool, seed: int, gate_init: str = "flat"):
+    def __init__(
+        self,
+        K: int,
+        heads: int,
+        per_channel: bool,
+        seed: int,
+        gate_init: str = "flat",
+        per_token: bool = False,
+    ):
         super().__init__()
         if gate_init not in GATE_INITS:
             raise ValueError(f"gate_init must be one of {GATE_INITS}, got {gate_init!r}")
+        if not isinstance(per_token, bool):
+            raise TypeError(f"per_token must be True or False, got {per_token!r}")
         if per_channel and heads != 1:
             raise ValueError(f"per_channel decay is KDA: heads must be 1, got {heads}")
         if K % heads:
@@ -477,10 +495,30 @@ class LearnedMemory(torch.nn.Module):
             theta = torch.log(torch.expm1(rates))  # softplus(theta) = rate
         self.theta = torch.nn.Parameter(theta)
         self.out = torch.nn.Parameter(torch.ones(heads))
+        self.per_token = per_token
+        if per_token:
+            self.W_g = torch.nn.Parameter(torch.zeros(n, K))
 
     def gates(self) -> torch.Tensor:
-        """The log decays: `[K]` (per channel) or `[heads]`."""
+        """The log decays: `[K]` (per channel) or `[heads]`; with per-token gates, those of a zero input."""
         return -F.softplus(self.theta)
+
+    def token_gates(self, task: TwoTimescaleTask) -> torch.Tensor:
+        """Every token's log decays `[B, T, H, K / H]`: a per-channel gate (KDA) or `[B, T, H, 1]` (per head).
+
+        Constant gates repeat `gates()` at every token; per-token gates come from each token's input key.
+        """
+        B, T, _, K = task.k.shape
+        H = self.heads
+        if not self.per_token:
+            g = self.gates()
+            g = g.reshape(1, 1, 1, K) if self.per_channel else g.reshape(1, 1, H, 1)
+            return g.expand(B, T, H, g.shape[-1])
+        proj = task.k[:, :, 0] @ self.W_g.T  # [B, T, K] (KDA) or [B, T, H]
+        A_log = self.theta.new_zeros(1 if self.per_channel else H)
+        if self.per_channel:
+            return kda_gate(proj[:, :, None, :], A_log, self.theta[None])  # [B, T, 1, K]
+        return kda_gate(proj, A_log, self.theta)[..., None]  # [B, T, H, 1]
 
     def errors(self, task: TwoTimescaleTask) -> tuple[torch.Tensor, torch.Tensor]:
         """`(fact_error, recent_error)`, two scalars, scored like `retrieval_errors`."""
@@ -488,14 +526,12 @@ class LearnedMemory(torch.nn.Module):
         H, Q = self.heads, task.queries.shape[1]
         k = F.normalize((task.k[:, :, 0] @ self.W.T).reshape(B, T, H, K // H), dim=-1)
         q = F.normalize((task.queries @ self.W.T).reshape(B, Q, H, K // H), dim=-1)
-        g = self.gates()
-        g = g.reshape(1, 1, 1, K) if self.per_channel else g.reshape(1, 1, H, 1)
         v = task.v.expand(B, T, H, task.v.shape[-1])
         _, S = general_recurrence(
             k,
             k,
             v,
-            g.expand(B, T, H, g.shape[-1]),
+            self.token_gates(task),
             k.new_ones(B, T, H),
             delta_rule=True,
             scale=1.0,
@@ -515,6 +551,7 @@ def train_learned_memory(
     task_kwargs: dict | None = None,
     rotation_seed: int = 1,
     gate_init: str = "flat",
+    per_token: bool = False,
 ) -> dict:
     """Train a `LearnedMemory` with Adam on fresh rotated episodes and score it on held-out ones.
 
@@ -526,15 +563,20 @@ def train_learned_memory(
         task_kwargs: arguments of `make_task` (besides `seed`); the chapter's CPU task when None.
         rotation_seed: the rotation of the key basis (`rotate_keys`), fixed for training and evaluation.
         gate_init: where the gates start (see `LearnedMemory`).
+        per_token: gates computed from each token (see `LearnedMemory`) instead of constants.
 
     Returns:
-        A dict with the held-out `fact`, `recent` and `mean` errors (floats), the learned `gates` (list) and the
-        training curve `loss` (list, the mean error of each step's batch).
+        A dict with the held-out `fact`, `recent` and `mean` errors (floats), the learned `gates` (list), the
+        `initial_gates` and the training curve `loss` (list, the mean error of each step's batch). With
+        `per_token`, `gates` is each gate's mean over the held-out tokens, and the dict adds
+        `gates_fact_tokens` and `gates_stream_tokens` (the means over the fact and the stream tokens),
+        `gates_token_std` (each gate's standard deviation over the stream tokens) and `W_g_norm` (the
+        projection's Frobenius norm, 0 at the start).
     """
     kw = dict(batch=32, half=8, value_dim=8, n_facts=4, n_stream=124, recent=2, noise=0.5)
     kw.update(task_kwargs or {})
     torch.manual_seed(seed)
-    model = LearnedMemory(2 * kw["half"], heads, per_channel, seed, gate_init)
+    model = LearnedMemory(2 * kw["half"], heads, per_channel, seed, gate_init, per_token)
     initial_gates = model.gates().tolist()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     curve = []
@@ -549,11 +591,66 @@ def train_learned_memory(
     with torch.no_grad():
         held_out = rotate_keys(make_task(**{**kw, "batch": 4 * kw["batch"]}, seed=999), rotation_seed)
         fact, recent = (e.item() for e in model.errors(held_out))
+        result = dict(
+            fact=fact,
+            recent=recent,
+            mean=(fact + recent) / 2,
+            gates=model.gates().tolist(),
+            initial_gates=initial_gates,
+            loss=curve,
+        )
+        if per_token:
+            g = model.token_gates(held_out).flatten(2)  # [B, T, gates]
+            stream = g[:, held_out.n_facts :]
+            result.update(
+                gates=g.mean((0, 1)).tolist(),
+                gates_fact_tokens=g[:, : held_out.n_facts].mean((0, 1)).tolist(),
+                gates_stream_tokens=stream.mean((0, 1)).tolist(),
+                gates_token_std=stream.std(1).mean(0).tolist(),
+                W_g_norm=model.W_g.norm().item(),
+            )
+    return result
+
+
+def compare_gate_runs(constant: list[dict], per_token: list[dict]) -> dict:
+    """What per-token gates changed: each run of `train_learned_memory(..., per_token=True)` against the
+    constant-gate run of the same model, start and seed.
+
+    Args:
+        constant, per_token: run records with `model`, `seed`, `gate_init`, `mean`, `gates` (and, per token,
+            `gates_stream_tokens`, `gates_token_std`, `loss_every_50`), the same runs in the same order.
+
+    Returns:
+        A dict: `runs`, the number of pairs; `error_change`, the largest relative change of a run's held-out
+        mean error; `kda_split`, for each spread-start KDA pair the (kept, decayed) channel counts, g > -0.01
+        and g < -0.1, of the constant gates and of the per-token gates' means over the stream tokens;
+        `token_std`, the largest standard deviation of a gate over the stream tokens in those runs; and
+        `loss_tail`, the largest relative spread of a per-token run's last four 50-step loss means.
+    """
+    if len(constant) != len(per_token):
+        raise ValueError(
+            f"constant and per_token must hold the same runs, got {len(constant)} and {len(per_token)}"
+        )
+    for c, t in zip(constant, per_token, strict=True):
+        if any(c[key] != t[key] for key in ("model", "seed", "gate_init")):
+            raise ValueError(
+                f"runs out of step: constant {c['model']}, seed {c['seed']}, {c['gate_init']} vs "
+                f"per token {t['model']}, seed {t['seed']}, {t['gate_init']}"
+            )
+
+    def split(gates):
+        return sum(g > -0.01 for g in gates), sum(g < -0.1 for g in gates)
+
+    kda = [
+        (c, t)
+        for c, t in zip(constant, per_token, strict=True)
+        if (c["gate_init"], c["model"]) == ("spread", "KDA")
+    ]
+    tails = ((max(c) - min(c)) / min(c) for c in (t["loss_every_50"][-4:] for t in per_token))
     return dict(
-        fact=fact,
-        recent=recent,
-        mean=(fact + recent) / 2,
-        gates=model.gates().tolist(),
-        initial_gates=initial_gates,
-        loss=curve,
+        runs=len(constant),
+        error_change=max(abs(t["mean"] / c["mean"] - 1) for c, t in zip(constant, per_token, strict=True)),
+        kda_split=[(split(c["gates"]), split(t["gates_stream_tokens"])) for c, t in kda],
+        token_std=max((s for _, t in kda for s in t["gates_token_std"]), default=0.0),
+        loss_tail=max(tails),
     )

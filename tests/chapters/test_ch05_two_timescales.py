@@ -42,6 +42,63 @@ def test_learned_memory_trains_and_reports():
 
 
 @pytest.mark.parametrize("heads, per_channel", [(1, True), (2, False), (1, False)])
+def test_per_token_gates_start_as_the_constant_ones_and_learn_from_the_tokens(heads, per_channel):
+    """W_g = 0 gives the constant-gate model's forward exactly (float64); the gates then have one value per
+    token, and the loss's gradient reaches W_g."""
+    torch.manual_seed(0)
+    task = tt.rotate_keys(tt.make_task(**SMALL, seed=7), 1)
+    task = tt.TwoTimescaleTask(*(t.double() for t in (task.k, task.v, task.queries, task.targets)), 2, 4)
+    const = tt.LearnedMemory(8, heads, per_channel, seed=0, gate_init="spread").double()
+    token = tt.LearnedMemory(8, heads, per_channel, seed=0, gate_init="spread", per_token=True).double()
+    for a, b in zip(const.errors(task), token.errors(task), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    B, T = task.k.shape[:2]
+    g = token.token_gates(task)
+    assert g.shape == ((B, T, 1, 8) if per_channel else (B, T, heads, 1)) and g.dtype == torch.float64
+    sum(token.errors(task)).backward()
+    assert token.W_g.grad.shape == (8 if per_channel else heads, 8) and token.W_g.grad.abs().max() > 0
+    with torch.no_grad():
+        token.W_g.normal_()
+    g = token.token_gates(task)
+    assert (g <= 0).all() and g.std(1).min() > 0  # now the gate differs from token to token
+    assert token.errors(task)[0] != const.errors(task)[0]
+
+
+def test_per_token_training_reports_the_gates_over_tokens():
+    r = tt.train_learned_memory(
+        1, True, seed=0, steps=3, task_kwargs=dict(batch=4, n_stream=20), gate_init="spread", per_token=True
+    )
+    per_token = ("gates", "gates_fact_tokens", "gates_stream_tokens", "gates_token_std")
+    assert all(len(r[key]) == 16 for key in per_token) and r["W_g_norm"] > 0
+    assert r["gates"] != r["gates_stream_tokens"]  # the mean over all tokens includes the fact tokens
+    with pytest.raises(TypeError, match="per_token must be True or False"):
+        tt.LearnedMemory(16, 1, True, seed=0, per_token="yes")
+
+
+def _run(model, init, mean, gates, **per_token):
+    return dict(model=model, seed=0, gate_init=init, mean=mean, gates=gates, **per_token)
+
+
+def test_compare_gate_runs_pairs_the_runs_and_measures_the_change():
+    kept_fast = [0.0] * 5 + [-0.2] * 11
+    constant = [_run("GDN, 1 head", "flat", 0.20, [0.0]), _run("KDA", "spread", 0.25, kept_fast)]
+    tok = dict(gates_token_std=[0.0] * 5 + [0.08] * 11, loss_every_50=[9.0, 1.0, 1.1, 1.0, 1.0])
+    moved = [0.0] * 4 + [-0.2] * 12  # one kept channel now decays
+    per_token = [
+        _run("GDN, 1 head", "flat", 0.21, [0.0], gates_stream_tokens=[0.0], **tok),
+        _run("KDA", "spread", 0.20, kept_fast, gates_stream_tokens=moved, **tok),
+    ]
+    c = tt.compare_gate_runs(constant, per_token)
+    assert c["runs"] == 2 and c["error_change"] == pytest.approx(0.2)  # KDA: 0.20 / 0.25 - 1
+    assert c["kda_split"] == [((5, 11), (4, 12))] and c["token_std"] == 0.08
+    assert c["loss_tail"] == pytest.approx(0.1)  # only the last four points: 1.0 ... 1.1
+    with pytest.raises(ValueError, match="runs out of step"):
+        tt.compare_gate_runs(constant, per_token[::-1])
+    with pytest.raises(ValueError, match="the same runs"):
+        tt.compare_gate_runs(constant, per_token[:1])
+
+
+@pytest.mark.parametrize("heads, per_channel", [(1, True), (2, False), (1, False)])
 def test_a_spread_start_covers_the_rates_log_uniformly(heads, per_channel):
     """Spread: the rates -g run log-uniformly over SPREAD (16 channels, or 2 heads at its ends); one scalar
     gate at the middle, the geometric mean. Flat: every gate at -softplus(-6)."""

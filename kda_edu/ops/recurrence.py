@@ -17,6 +17,9 @@ The earlier chapters are this loop with some parts switched off:
 
 Linear attention is the one model that is not KDA with special inputs: it writes `v_t` without first
 erasing the prediction `S^T k_t`, so the loop has a single switch, `delta_rule`.
+
+`recurrence_loop` is these four lines and nothing else; `general_recurrence` wraps it with what a library
+needs around the equations: grouped heads, the compute dtype, the query scale, and non-finite inputs.
 """
 
 import math
@@ -24,6 +27,38 @@ import math
 import torch
 
 from kda_edu.ops._checks import compute_dtype
+
+
+def recurrence_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S: torch.Tensor,
+    delta_rule: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence above, step by step: one head per row, nothing checked, converted or scaled.
+
+    Args:
+        q, k: `[B, T, H, K]` (the query already scaled); v: `[B, T, H, V]`; g: log decay `[B, T, H, K]` or
+            `[B, T, H, 1]`; beta: `[B, T, H]`; S: the state entering step 0, `[B, H, K, V]`; all one dtype.
+        delta_rule: erase the prediction `S'^T k_t` before writing.
+
+    Returns:
+        `(o, S)`: the reads `[B, T, H, V]` and the state after the last step.
+    """
+    T = q.shape[1]
+    o = []
+    for t in range(T):
+        q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, K], [B, H, K], [B, H, V]
+        S = g[:, t, :, :, None].exp() * S  # decay
+        if delta_rule:
+            v_t = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)  # erase what S reads at k_t
+        U_t = beta[:, t, :, None] * v_t
+        S = S + k_t[..., :, None] * U_t[..., None, :]  # write
+        o.append(torch.einsum("bhk,bhkv->bhv", q_t, S))  # read
+    return torch.stack(o, dim=1), S
 
 
 def general_recurrence(
@@ -38,7 +73,8 @@ def general_recurrence(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the KDA-family recurrence above with a plain loop over time.
+    """Run the KDA-family recurrence above with a plain loop over time (`recurrence_loop`), for grouped heads, in
+    the compute dtype, with non-finite inputs kept causal.
 
     The public functions of each chapter validate their inputs and call this; it does not check them again.
 
@@ -68,19 +104,11 @@ def general_recurrence(
     dtype = compute_dtype(q.dtype)
     q = q.to(dtype).repeat_interleave(HV // H, dim=2) * scale
     k = k.to(dtype).repeat_interleave(HV // H, dim=2)
-    v_in, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
     bad_q, bad_k = (~torch.isfinite(x).all(dim=-1, keepdim=True) for x in (q, k))  # [B, T, HV, 1]
     q, k = torch.where(bad_q, 0.0, q), torch.where(bad_k, 0.0, k)  # in the products as zero (docstring)
-
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-    o = []
-    for t in range(T):
-        q_t, k_t, v_t = q[:, t], k[:, t], v_in[:, t]  # [B, HV, K], [B, HV, K], [B, HV, V]
-        S = g[:, t, :, :, None].exp() * S
-        if delta_rule:
-            v_t = v_t - torch.einsum("bhk,bhkv->bhv", k_t, S)
-        U_t = beta[:, t, :, None] * v_t
-        S = S + k_t[..., :, None] * U_t[..., None, :]
-        S = torch.where(bad_k[:, t, :, :, None], math.nan, S)  # a bad key spoils the state
-        o.append(torch.where(bad_q[:, t], math.nan, torch.einsum("bhk,bhkv->bhv", q_t, S)))
-    return torch.stack(o, dim=1).to(v.dtype), (S if output_final_state else None)
+    o, S = recurrence_loop(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), S, delta_rule)
+    spoiled = bad_k.cummax(dim=1).values  # a bad key at this step or before: the state is spoiled
+    o = torch.where(bad_q | spoiled, math.nan, o)
+    S = torch.where(bad_k.any(dim=1)[..., None], math.nan, S)
+    return o.to(v.dtype), (S if output_final_state else None)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from exercise_checks import LONGEST, checker_tests
+from exercise_checks import checker_tests
 
 from kda_edu.exercises import WrongAnswer, ch05
 
@@ -37,11 +37,9 @@ test_solution_passes, test_wrong_answer_is_rejected = checker_tests(CASES)
 
 
 @pytest.mark.parametrize("check, solution, wrong", CASES, ids=lambda x: getattr(x, "__name__", "wrong"))
-def test_placeholder_and_hints_are_one_line(check, solution, wrong):
+def test_placeholder_repeats_the_question(check, solution, wrong):
+    # the wrong answer's one-line hint is checked by checker_tests (as the page shows it, "Not yet: " included)
     assert check(lambda *args: None).startswith("Not answered yet")
-    with pytest.raises(WrongAnswer) as error:
-        check(wrong)
-    assert "\n" not in str(error.value) and len(str(error.value)) <= LONGEST, error.value
 
 
 def _one_rate(p):

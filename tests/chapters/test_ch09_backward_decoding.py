@@ -240,9 +240,10 @@ def test_record_launches_records_the_backward_in_order():
     from kda_edu.chapters.ch09_backward_decoding import input_grads, record_launches
     from kda_edu.kernels import chunk_kda
 
-    x = random_inputs(1, 20, 1, 128, 16, seed=5)  # 128 key channels: two key blocks of the local kernels
-    x["h0"] = torch.randn(1, 1, 128, 16)
-    do, dht = torch.randn(1, 20, 1, 16), torch.randn(1, 1, 128, 16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = random_inputs(1, 20, 1, 128, 16, seed=5, device=device)  # 128 key channels: two key blocks
+    x["h0"] = torch.randn(1, 1, 128, 16, device=device)
+    do, dht = torch.randn(1, 20, 1, 16, device=device), torch.randn(1, 1, 128, 16, device=device)
     with record_launches() as records:
         input_grads(chunk_kda, x, do, dht, dtype=torch.float32)
     names = [(name, first) for name, first, *_ in records]

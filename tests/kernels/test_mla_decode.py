@@ -7,6 +7,8 @@ import torch
 from kda_edu.kernels.mla_decode import mla_absorbed_attention
 from kda_edu.layers.mla import mla_absorbed_reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled there, interpreted here
+
 
 def test_a_cache_elsewhere_and_a_bad_split_count_are_named():
     """A cache on another device than q reached the kernel as a pointer it cannot read (a Triton error
@@ -66,7 +68,7 @@ def _paged_case(block_size, seed=0, T=2, H=3, D=20, R=16, dtype=torch.float32):
     table = torch.tensor([t + [pool.shape[0] - 1] * (width - len(t)) for t in tables], dtype=torch.int32)
     contiguous = pool[table.long()].reshape(3, width * block_size, D)
     q = torch.randn(3, T, H, D, generator=gen, dtype=dtype)
-    return q, pool, table, lengths, contiguous
+    return tuple(x.to(DEVICE) for x in (q, pool, table, lengths, contiguous))
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 64])
@@ -79,7 +81,7 @@ def test_paged_kernel_equals_the_reference_over_shuffled_shared_blocks(block_siz
 
     q, pool, table, lengths, contiguous = _paged_case(block_size)
     out = paged_mla_absorbed_attention(q, pool, table, lengths, 0.3, 16, num_splits=splits)
-    reference = mla_absorbed_reference(q, contiguous, torch.arange(3), lengths, 0.3, 16)
+    reference = mla_absorbed_reference(q, contiguous, torch.arange(3, device=DEVICE), lengths, 0.3, 16)
     err = (out - reference).abs().max().item()
     assert err < 1e-5, f"paged kernel vs reference (block_size {block_size}, {splits} splits): {err:.1e}"
 

@@ -229,7 +229,7 @@ class ServingDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self._step(tokens, slots)
-        self.lengths[self.scratch] = 0
+        self.lengths[self.scratch :].zero_()
         return graph, tokens, slots, logits
 
     def _step(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -245,7 +245,7 @@ class ServingDecoder:
                 x = x + self._kda(block.mixer, h, pool["window"], pool["state"], slots)
             x = x + block.ffn(block.ffn_norm(x))
         self.lengths.index_copy_(0, slots, lengths)
-        self.lengths[self.scratch] = 0  # padding rows and captures write there: it never grows
+        self.lengths[self.scratch :].zero_()  # padding rows and captures write there: it never grows
         return model.lm_head(model.norm(x))[:, 0]
 
     def _mla(self, layer, h, latent_pool, slots, positions, lengths):

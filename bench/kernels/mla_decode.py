@@ -82,14 +82,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--contexts", type=int, nargs="*", help="the rows' contexts (default: 4K to 256K)")
+    parser.add_argument("--batches", type=int, nargs="*", help="the rows' batches (default: 1, 4, 16, 64)")
+    parser.add_argument("--no-tuning", action="store_true", help="skip the tuning grid")
     args = parser.parse_args()
     started = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name()
     gpu = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
     bandwidth = copy_bandwidth(2**26 if args.smoke else 2**30)
-    contexts = [4096, 32768] if args.smoke else [4096, 16384, 32768, 65536, 131072, 262144]
-    batches = [1, 4] if args.smoke else [1, 4, 16, 64]
+    contexts = args.contexts or ([4096, 32768] if args.smoke else [4096, 16384, 32768, 65536, 131072, 262144])
+    batches = args.batches or ([1, 4] if args.smoke else [1, 4, 16, 64])
     max_bytes = 2**28 if args.smoke else 24 * 2**30
     path = f"{args.out}/mla_decode_{gpu}.json"
     result = {
@@ -138,6 +141,7 @@ def main():
     config = default_config(torch.empty(1, BLOCK, D, device="cuda", dtype=torch.bfloat16))
     result["default_config"] = dict(zip(("BN", "num_warps", "num_stages"), config, strict=True))
     points = [(1, 4096), (4, 32768)] if args.smoke else [(1, 32768), (16, 32768), (1, 131072), (16, 131072)]
+    points = [] if args.no_tuning else points
     for batch, context in points:
         q, pool, table, _, lengths = inputs(batch, context)
         base = default_splits(batch, H, table.shape[1] * BLOCK, q.device)

@@ -1,6 +1,6 @@
 """Print one closing line that adds up every stage of `make test`.
 
-Reads the JUnit XML files pytest wrote (unit tests, notebooks) and the browser check's JSON
+Reads the JUnit XML files pytest wrote (unit tests, the kernels' offline builds, notebooks) and the browser check's JSON
 report, and prints a line per stage and a total.
 """
 
@@ -31,7 +31,7 @@ def notebook_seconds(path: Path) -> dict[str, float]:
 def main() -> None:
     reports = Path(sys.argv[1])
     total = [0, 0, 0]
-    for name in ("unit", "notebooks"):
+    for name in ("unit", "kernel_builds", "notebooks"):
         passed, failed, skipped = junit_counts(reports / f"{name}.xml")
         print(f"{name}: {passed} passed, {failed} failed, {skipped} skipped")
         total = [total[0] + passed, total[1] + failed, total[2] + skipped]

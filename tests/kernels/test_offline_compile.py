@@ -10,6 +10,8 @@ import pytest
 
 from kda_edu.kernels.offline import CAPABILITIES, in_fresh_python
 
+pytestmark = pytest.mark.gpu_build  # its own stage of `make test` (`make kernel-builds`)
+
 PLANTED = "tests.kernels.planted_kernels"
 
 
@@ -31,9 +33,9 @@ def fast_ptxas(monkeypatch):
     monkeypatch.setenv("DISABLE_PTXAS_OPT", "1")
 
 
-@pytest.mark.slow
 def test_every_kernel_builds_for_every_supported_gpu():
-    # Each target's kernels in two halves, as many processes at a time as there are cores (two on CI).
+    # Each target's kernels in two halves, as many processes at a time as there are cores (two on CI): the
+    # stage runs alone.
     jobs = [(capability, (i, 2)) for capability in CAPABILITIES for i in range(2)]
     with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
         halves = list(pool.map(lambda job: build(job[0], shard=job[1]), jobs))

@@ -17,9 +17,9 @@ those bytes over the time, divided by the bandwidth of a large device-to-device 
 process (bytes read plus bytes written per second). The queries, the partial outputs of the splits and the
 merge are not counted: they are the kernel's overhead.
 
-`tuning` rows: at two contexts and two batches, every tile size, warp count, pipeline depth and split count
-of a small grid, timed the same way, so that the defaults (`default_config`, `default_splits`) can be
-judged against the best the grid holds.
+`tuning` rows: at four (batch, context) points, every tile size, warp count, pipeline depth and split count
+of a small grid (the splits from half the default to 128), timed the same way, so that the defaults
+(`default_config`, `default_splits`) can be judged against the best the grid holds.
 
     python -m bench.kernels.mla_decode --out DIR            # DIR/mla_decode_<gpu>.json
     python -m bench.kernels.mla_decode --out DIR --smoke    # small sizes, a minute, to check the script
@@ -140,12 +140,14 @@ def main():
         write_result(path, result)
     config = default_config(torch.empty(1, BLOCK, D, device="cuda", dtype=torch.bfloat16))
     result["default_config"] = dict(zip(("BN", "num_warps", "num_stages"), config, strict=True))
-    points = [(1, 4096), (4, 32768)] if args.smoke else [(1, 32768), (16, 32768), (1, 131072), (16, 131072)]
+    points = [(1, 4096), (4, 32768)] if args.smoke else [(1, 4096), (1, 32768), (16, 32768), (64, 16384)]
     points = [] if args.no_tuning else points
     for batch, context in points:
         q, pool, table, _, lengths = inputs(batch, context)
         base = default_splits(batch, H, table.shape[1] * BLOCK, q.device)
-        grid = itertools.product((32, 64), (4, 8), (1, 2, 3), sorted({max(1, base // 2), base, 2 * base}))
+        most = table.shape[1] * BLOCK // 32  # ranges of at least 32 positions
+        splits = {max(1, base // 2), base, 2 * base, 4 * base, 16, 32, 64, 128}
+        grid = itertools.product((32, 64), (4, 8), (1, 2, 3), sorted(n for n in splits if n <= most))
         for bn, warps, stages, splits in grid:
             fn = partial(_launch, q, pool, table, lengths, SCALE, R, splits, bn, warps, stages)
             try:

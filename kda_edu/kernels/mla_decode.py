@@ -28,6 +28,9 @@ Design (flash decoding, as FlashMLA does it for DeepSeek):
 * The table, the lengths and the block ids are read on the device: the launch depends only on shapes, so
   it can be captured in a CUDA graph and replayed as lengths grow. Programs whose range lies past ``L_b``
   write an empty partial.
+* A non-finite cached value gives NaN in the output of every row that sees it and reaches no other row: a
+  score of -inf alone would weight it zero, and with several new tokens (an append) a later token's value
+  would reach earlier tokens as 0 * inf in the value product, so both are checked.
 * Scores and the running softmax are float32; the products take the cache's dtype (bf16 on a GPU).
   Under the CPU interpreter, and for a float32 cache, the products are float32 (not TF32; the
   interpreter's bf16 ``tl.dot`` is wrong).
@@ -67,6 +70,7 @@ def _mla_absorbed_kernel(
     BR: tl.constexpr,
     BP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    APPEND: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -94,6 +98,7 @@ def _mla_absorbed_kernel(
 
     m = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BM], dtype=tl.float32)
+    sees_bad = tl.zeros([BM], dtype=tl.int32)  # a row saw a non-finite cached value
     o_sum = tl.zeros([BM, BR], dtype=tl.float32)
     for n0 in range(start, end, BN):
         pos = n0 + tl.arange(0, BN)
@@ -113,7 +118,15 @@ def _mla_absorbed_kernel(
         else:
             scores = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(k_p))
         seen = pos_mask[None, :] & (pos[None, :] < visible[:, None])
+        # A non-finite cached value makes the scores at its position non-finite: every row that sees it
+        # outputs NaN (a score of -inf alone would be weighted zero, silently).
+        bad = (scores != scores) | (tl.abs(scores) == float("inf"))
+        sees_bad = tl.maximum(sees_bad, tl.max((seen & bad).to(tl.int32), axis=1))
         scores = tl.where(seen, scores * scale, float("-inf"))
+        if APPEND:
+            # Several new tokens: a tile holds positions some rows see and others must not. A non-finite
+            # value there would reach the rows that do not see it as 0 * inf in the value product.
+            c = tl.where((c != c) | (tl.abs(c.to(tl.float32)) == float("inf")), tl.zeros_like(c), c)
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
         alpha = tl.exp(m - m_safe)
@@ -127,6 +140,7 @@ def _mla_absorbed_kernel(
 
     # A range that a row does not reach leaves m = -inf, l = 0: a zero output, log-sum-exp -inf.
     o_all = o_sum / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    o_all = tl.where(sees_bad[:, None] > 0, float("nan"), o_all)
     lse_all = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
     part = (i_b * T * H + rows).to(tl.int64) * NS + i_s
     tl.store(o + part[:, None] * R + cr[None, :], o_all, mask=row_mask[:, None] & r_mask[None, :])
@@ -336,6 +350,7 @@ def _launch(q, pool, block_table, lengths, scale, value_dim, NS, BN, num_warps, 
         BR=BR,
         BP=max(16, triton.next_power_of_2(D - value_dim)),
         DOT_FP32=interpreting() or pool.dtype == torch.float32,
+        APPEND=T > 1,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -142,6 +142,8 @@ def library_launches(capability: tuple[int, int]) -> list[tuple]:
                 4, 4096, 576, dtype=dtype, device="meta"
             )  # long enough to split: the merge too
             mla_absorbed_attention(mla_q, cache, slots, slots, 0.1, 512)
+            append_q = torch.empty(2, 3, 4, 576, dtype=dtype, device="meta")  # 3 new tokens: the append path
+            mla_absorbed_attention(append_q, cache, slots, slots, 0.1, 512)
             layer_part_launches(dtype)
     return launches
 

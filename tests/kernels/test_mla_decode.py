@@ -50,12 +50,12 @@ def test_a_wrongly_shaped_q_or_cache_is_named(mla_absorbed_attention):
         mla_absorbed_attention(q, cache, [0, 1], lengths, 0.3, 6)
 
 
-def _paged_case(block_size, seed=0, T=2, H=3, D=20, R=16, dtype=torch.float32):
-    """Three sequences of lengths 2, 37 and 70 in a pool of shuffled blocks, the first two sharing their
+def _paged_case(block_size, seed=0, T=2, H=3, D=20, R=16, dtype=torch.float32, lengths=(2, 37, 70)):
+    """Three sequences (by default of lengths 2, 37 and 70) in a pool of shuffled blocks, the first two sharing their
     first block (a common prefix), every table padded with an id past the pool's used blocks; returns the
     inputs and the same rows laid out contiguously (`[B, L_max, D]`) for the reference."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([2, 37, 70], dtype=torch.int32)
+    lengths = torch.tensor(lengths, dtype=torch.int32)
     blocks = [-(-int(n) // block_size) for n in lengths]
     pool = torch.randn(sum(blocks) + 2, block_size, D, generator=gen, dtype=dtype)
     order = torch.randperm(pool.shape[0] - 1, generator=gen).tolist()
@@ -124,3 +124,36 @@ def test_paged_kernel_arguments_are_named():
         )
     with pytest.raises(TypeError, match=r"block_table must be a torch.Tensor of shape \[B, max_blocks\]"):
         paged_mla_absorbed_attention(q, pool, table.tolist(), lengths, 0.3, 16)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_bad_cached_value_spoils_only_the_tokens_that_see_it(bad):
+    """Three new tokens per sequence (an append): a non-finite number cached at the second new token's
+    position, in the latent part of one sequence and in the rope part of another. The first new token does
+    not see it: its output must equal the clean run's (it used to become NaN as 0 * inf in the value
+    product), while the second and third see it and are non-finite; a sequence without a bad value is
+    untouched. Kernel (2 splits and 1) and PyTorch reference alike; float32, 1e-6."""
+    from kda_edu.kernels.mla_decode import paged_mla_absorbed_attention
+
+    q, pool, table, lengths, contiguous = _paged_case(16, T=3, lengths=(5, 37, 70))
+    slots = torch.arange(3, device=DEVICE)
+    dirty, dirty_rows = pool.clone(), contiguous.clone()
+    for b, column in ((1, 3), (2, 18)):  # sequence 1: latent column 3; sequence 2: rope column 18 (R = 16)
+        s = int(lengths[b]) - 2  # the second new token's position
+        dirty[table[b, s // 16], s % 16, column] = bad
+        dirty_rows[b, s, column] = bad
+    runs = {
+        "kernel, 2 splits": lambda p, rows: paged_mla_absorbed_attention(q, p, table, lengths, 0.3, 16, 2),
+        "kernel, 1 split": lambda p, rows: paged_mla_absorbed_attention(q, p, table, lengths, 0.3, 16, 1),
+        "reference": lambda p, rows: mla_absorbed_reference(q, rows, slots, lengths, 0.3, 16),
+    }
+    for name, run in runs.items():
+        clean, out = run(pool, contiguous), run(dirty, dirty_rows)
+        assert torch.isfinite(clean).all(), name
+        for b in (1, 2):
+            err = (out[b, 0] - clean[b, 0]).abs().max().item()
+            assert err < 1e-6, f"{name}: sequence {b}'s first new token changed by {err:.1e}"
+            assert not torch.isfinite(out[b, 1:]).any(), (
+                f"{name}: a token that sees the bad value stayed finite"
+            )
+        assert (out[0] - clean[0]).abs().max().item() < 1e-6, f"{name}: the clean sequence changed"

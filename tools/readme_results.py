@@ -26,7 +26,7 @@ def _speed_rows(path: Path) -> list[tuple]:
 
 def _legacy_h200_rows() -> list[tuple]:
     fwd = json.loads((RESULTS / "h200_forward_split.json").read_text())
-    bwd = json.loads((RESULTS / "h200_fwd_bwd_split.json").read_text())
+    bwd = json.loads((RESULTS / "h200_fwd_bwd.json").read_text())
     rows = [
         (
             "forward",

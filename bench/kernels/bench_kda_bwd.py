@@ -10,7 +10,7 @@ backward (`keep_intermediates`: the default "matrices"; "none", the "recomputed"
 rows) changes any bit of them.
 
     python -m bench.kernels.bench_kda_bwd --out bench/results/h200_fwd_bwd.json
-    python -m bench.kernels.bench_kda_bwd --out bench/results/h200_fwd_bwd_split.json --shapes 8,4096,16 --build <commit>
+    python -m bench.kernels.bench_kda_bwd --out bench/results/h200_fwd_bwd.json --shapes 8,4096,16
 
 All three shapes take more than 400 s on the H200 (fla autotunes at every shape); `--shapes` times some of
 them and keeps the other rows of an existing --out file.

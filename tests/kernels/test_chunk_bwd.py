@@ -123,12 +123,13 @@ def test_kept_intermediates_give_the_same_bits(varlen):
     inputs, so outputs and all six gradients agree with those of "none" within 1e-6 relative (a few float32
     roundings; chapter 9 states the same bound; a buffer handed over wrongly is off by order 1). The first
     backward empties the kept buffers; a second one (retain_graph) recomputes and agrees too. The dense case
-    spells "all" as True, its documented synonym. Both modes against one run that keeps nothing."""
+    spells "all" as True, its documented synonym. Both modes against one run that keeps nothing. One value head
+    here; buffers of two value heads handed over are test_gradients_after_a_forward_in_pieces's."""
     if varlen:
         inputs, do, dht = make_inputs(1, 75, 1, 1, 16, 32, n_states=2)
         cu = torch.tensor([0, 70, 75], device=DEVICE)
     else:
-        inputs, do, dht = make_inputs(1, 70, 1, 2, 16, 32)
+        inputs, do, dht = make_inputs(1, 70, 1, 1, 16, 32)
         cu = None
 
     def run(keep, backwards=1):
@@ -290,7 +291,7 @@ def test_strong_gates_shared_across_channels(gate, dtype):
     (-exp(A_log) softplus(.)) far below KDA's -5 bound: down to `gate` per step, so that a 16-step block decays
     by up to e^-4800. Every gradient stays finite and close to float64 (dg least: it sums terms of very
     different sizes). On a GPU also in bf16, as the recall sweep trains."""
-    inputs, do, dht = make_inputs(1, 130, 1, 1, 16, 16, gate=gate, seed=1)
+    inputs, do, dht = make_inputs(1, 70, 1, 1, 16, 16, gate=gate, seed=1)
     inputs[3] = inputs[3][..., :1].expand_as(inputs[3]).contiguous()
     inputs[:3] = [x.to(dtype).float() for x in inputs[:3]]  # the oracle sees the rounded q, k, v
     ref = oracle(inputs, do, dht)

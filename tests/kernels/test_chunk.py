@@ -77,7 +77,7 @@ def test_gate_strength_varies_across_key_columns():
     """The gram kernel chooses the diagonal blocks' form per step of 32 key columns: here the first step's
     gates are mild (one anchored 64-row product) and the second's strong enough (down to -12 per step) that
     it computes the four diagonal blocks one by one, some anchored, some pairwise; a reset sits in between."""
-    q, k, v, g, beta, h0 = make_inputs(1, 150, 1, 2, 64, 32, gate=-0.5, seed=8)
+    q, k, v, g, beta, h0 = make_inputs(1, 150, 1, 1, 64, 32, gate=-0.5, seed=8)
     g[..., 32:] *= 24.0
     g[:, 90] = -1000.0
     o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)

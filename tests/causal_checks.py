@@ -94,3 +94,43 @@ def bad_steps(draw, T_min, T_max):
         draw(st.integers(0, 15)),
         draw(st.integers(0, 2**16)),
     )
+
+
+def _head(n, a, h, t):
+    """Head h of input (or gradient) `n` of a, steps before t (the initial state has no time axis)."""
+    return a[:, h] if n == "initial_state" else a[:, :t, h]
+
+
+def causal_errors_per_head(fn, x, bads, seed=1, **kw):
+    """`causal_errors` for one bad value in each head at once: bads[h] = (name, t, value, channel) puts `value`
+    at step t of `name` in head h (value None: head h stays clean). The heads must share nothing (H == HV, no
+    key head serving two value heads), so head h's outputs before t_h, and for the loss on them (the sum of
+    o[:, :t_h, h] * w_h over the heads) head h's gradients before t_h and its slice of dinitial_state, are those
+    of head h's clean prefix alone: one run checks every head's bad value. Returns one error dict per head."""
+    if not x["q"].shape[2] == x["v"].shape[2] == len(bads):
+        raise ValueError(f"one bad value per head of heads that share nothing: H == HV == {len(bads)}")
+    y = x
+    for h, (name, t, value, channel) in enumerate(bads):
+        if value is not None:
+            y = spoil(y, name, t, value, h, channel)
+    xs = {n: a.detach().clone().requires_grad_() for n, a in y.items()}
+    o = fn(**xs, **kw)[0]
+    gen = torch.Generator().manual_seed(seed)
+    ws = [
+        torch.randn(_head("o", o, h, t).shape, generator=gen, dtype=torch.float64)
+        for h, (_, t, *_) in enumerate(bads)
+    ]
+    sum(
+        (_head("o", o, h, t).double() * w.to(o.device)).sum()
+        for h, ((_, t, *_), w) in enumerate(zip(bads, ws, strict=True))
+    ).backward()
+    out = []
+    for h, ((_, t, *_), w) in enumerate(zip(bads, ws, strict=True)):
+        prefix = {n: _head(n, a, slice(h, h + 1), t).double().cpu().requires_grad_() for n, a in x.items()}
+        ref_o = kda_recurrent(**prefix)[0]
+        (ref_o[:, :, 0] * w).sum().backward()
+        errors = {"o": rel(_head("o", o, h, t).detach(), ref_o[:, :, 0].detach())}
+        for n, a in xs.items():
+            errors["d" + n] = rel(_head(n, a.grad, h, t), _head(n, prefix[n].grad, 0, t))
+        out.append(errors)
+    return out

@@ -11,8 +11,7 @@ import math
 
 import pytest
 import torch
-from causal_checks import BAD, bad_steps, causal_errors, make, rejected, spoil
-from hypothesis import given, settings
+from causal_checks import BAD, causal_errors, causal_errors_per_head, make, rejected, spoil
 
 from kda_edu.kernels import chunk_kda, fused_recurrent_kda, raise_value_errors
 from kda_edu.ops.kda import kda_chunked
@@ -48,22 +47,37 @@ def test_a_bad_query_leaves_earlier_gradients_exact(path):
     assert max(errors.values()) <= TOL, errors
 
 
+# Two bad values per run, one in each of two heads that share nothing (H = HV = 2), each head checked against
+# its own clean prefix (`causal_errors_per_head`): (T, [(input, step, value, channel) per head], seed). The three
+# runs put a bad value in every input, every kind of bad value, and a step at each place a chunk has: the first
+# step, mid-chunk (first and second chunk), the first step of the second chunk, the last step (a reset: g = -inf).
+SWEEP = {
+    "first_step_k_mid_beta": (40, [("k", 1, "-inf", 0), ("beta", 20, "nan", 0)], 0),
+    "mid_v_mid_g": (70, [("v", 67, "inf", 2), ("g", 37, "nan", 9)], 1),
+    "chunk_start_q_last_step_reset": (70, [("q", 64, "nan", 11), ("g", 69, "-inf", 5)], 2),
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("case", SWEEP.values(), ids=SWEEP.keys())
 @pytest.mark.parametrize("path", PATHS)
-@settings(max_examples=6, deadline=None)
-@given(case=bad_steps(40, 90))
 def test_bad_values_sweep(path, case):
-    """NaN, inf or -inf at a random step of q, k, v, g or beta: causal, or refused by chunk_kda's check (any
-    bad beta, a NaN or +inf gate; fused_recurrent_kda and check_inputs=False never look)."""
-    T, name, t, value, head, channel, seed = case
-    x = make(T, seed=seed, device=DEVICE)
-    if path == "chunk_kda" and rejected(name, BAD[value]):
-        with pytest.raises(ValueError, match=f"^{name} of shape"):
-            chunk_kda(**spoil(x, name, t, BAD[value], head, channel))
-            raise_value_errors()  # on a GPU the verdict arrives after the call
-        return
-    errors = causal_errors(PATHS[path], x, name, t, BAD[value], head, channel)
-    assert max(errors.values()) <= TOL, errors
+    """NaN, inf or -inf in q, k, v, g or beta (`SWEEP`): causal, or refused by chunk_kda's check (any bad beta,
+    a NaN or +inf gate; fused_recurrent_kda and check_inputs=False never look, so their kernels meet these
+    too). A refused head is checked for the refusal alone and then runs clean beside the other head."""
+    T, placed, seed = case
+    x = make(T, H=2, HV=2, seed=seed, device=DEVICE)
+    bads = []
+    for head, (name, t, value, channel) in enumerate(placed):
+        if path == "chunk_kda" and rejected(name, BAD[value]):
+            with pytest.raises(ValueError, match=f"^{name} of shape"):
+                chunk_kda(**spoil(x, name, t, BAD[value], head, channel))
+                raise_value_errors()  # on a GPU the verdict arrives after the call
+            bads.append((name, t, None, channel))
+        else:
+            bads.append((name, t, BAD[value], channel))
+    for head, errors in enumerate(causal_errors_per_head(PATHS[path], x, bads)):
+        assert max(errors.values()) <= TOL, (head, placed[head], errors)
 
 
 def gradient_penalty(fn):

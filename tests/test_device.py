@@ -65,6 +65,7 @@ def _threads_after_import(env: dict) -> str:
     return run.stdout.strip() if run.returncode == 0 else run.stderr
 
 
+@pytest.mark.slow
 def test_cpu_runs_use_one_thread_unless_asked():
     # Two OpenMP threads on a machine whose cores another program shares spin and wait for each other at
     # every small operation (the module docstring): on a CPU the book runs on one thread.

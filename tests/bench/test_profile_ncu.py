@@ -43,6 +43,7 @@ def test_the_summary_refuses_text_without_an_ncu_table():
         profile_ncu.summarize("==PROF== Connected\nnothing profiled\n")
 
 
+@pytest.mark.slow
 def test_the_profiled_methods_run_on_the_cpu():
     out = subprocess.run(
         [sys.executable, "-m", "bench.kernels.profile_ncu", "--smoke", "--backward"],

@@ -214,6 +214,7 @@ def test_counted_flops_are_the_design_counts():
     assert counted["useful gram blocks"] == ck.gram_block_flops(64, C=32)
 
 
+@pytest.mark.slow
 def test_hopper_instructions_of_one_product():
     """Offline sm_90 compile: a 64-row tile at 4 warps is a warpgroup product, 16 rows per-warp ones; the
     16 x 16 gram kernel has only per-warp products, the 64-row one warpgroup products (and per-warp ones in

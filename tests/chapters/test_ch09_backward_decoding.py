@@ -160,6 +160,7 @@ class _Alive:
         return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "K, V, knobs, dtype",
     [

@@ -24,6 +24,7 @@ def curves(record: dict) -> torch.Tensor:
     return torch.tensor([[h["train_loss"], h["eval_loss"], h["eval_acc"]] for h in record["history"]])
 
 
+@pytest.mark.slow
 def test_a_run_gives_the_same_numbers_alone_and_after_another_run_in_its_worker():
     """DeltaNet's run trained in a fresh worker, and again in a worker that has just trained a KDA run with
     another seed and rate. Same operations on the same data in float32 on the CPU, one thread: the curves agree
@@ -70,6 +71,7 @@ def test_runs_trained_together_in_one_worker_give_the_numbers_they_give_alone():
     assert pool.busy() == 0 and pool.idle() == 1
 
 
+@pytest.mark.slow
 def test_the_pool_replaces_a_worker_whose_run_failed_or_that_died():
     """A run that raises (MQAR at T = 64 needs 8 keys, the preset has 4) comes back with its traceback and
     retires its worker; the next run gets a fresh process, the one after reuses it until `runs_per_worker`;
@@ -162,6 +164,7 @@ def test_the_kernel_warm_up_launches_the_variants_the_gpu_runs_launch():
     assert not launched & {variant(2, 128)}
 
 
+@pytest.mark.slow
 def test_a_sweep_goes_on_with_more_mixers_and_reruns_runs_of_the_old_build(tmp_path, monkeypatch):
     """A file of a preset that later gained a mixer continues (another learning rate is refused); a run of any
     mixer recorded without `undecayed_gate_parameters` (before the weight-decay fix: for KDA, weight decay took
@@ -206,6 +209,7 @@ def test_runs_together_with_cuda_graphs_are_refused_before_any_worker_starts():
     assert pool.slots[0].process is None and pool.idle() == 1  # nothing was started
 
 
+@pytest.mark.slow
 def test_a_deadline_starts_the_longest_runs_first_and_only_runs_that_fit(tmp_path, monkeypatch):
     """With `deadline_minutes`, the runs start longest first by the file's own timings, and a run expected to
     end after the deadline stays pending (a device call that stops at its limit loses the runs still going).

@@ -183,6 +183,7 @@ def test_the_inverse_of_the_diagonal_blocks_is_accurate_on_nearly_parallel_keys(
     assert rel_err(o, o_ref) < TOL and rel_err(ht, ht_ref) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
 def test_time_pieces_match_fp64_loop(with_state):
     """The forward cut into 2, 3 and 4 pieces of the time axis (`time_pieces`; on a GPU each piece's scan runs

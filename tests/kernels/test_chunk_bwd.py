@@ -116,6 +116,7 @@ def test_forward_with_autograd_is_the_inference_forward():
     assert torch.equal(plain[0], trained[0].detach()) and torch.equal(plain[1], trained[1].detach())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_kept_intermediates_give_the_same_bits(varlen):
     """keep_intermediates hands some of the forward's buffers to the backward instead of recomputing them
@@ -178,6 +179,7 @@ VARLEN_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
 def test_varlen_gradients_match_fp64_loop_per_sequence(case):
     """All six gradients of a packed row (lengths 1, 70, 0, 64, 5; HV = 2 H) against float64 autograd through
@@ -199,6 +201,7 @@ def test_varlen_gradients_match_fp64_loop_per_sequence(case):
         assert torch.equal(got[5][empty], dht[empty] if use_ht else torch.zeros_like(dht[empty]))
 
 
+@pytest.mark.slow
 def test_varlen_gradients_equal_separate_runs():
     """A packed row's gradients are chunk_kda's own gradients of each sequence run alone (same chunks, same
     kernels: bit for bit under the interpreter), with one sequence longer than two chunks."""
@@ -217,6 +220,7 @@ PIECES = {  # chunk.py's `time_pieces` forms, forced (the interpreter's default 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", ["matrices", True], ids=["matrices", "kept"])
 @pytest.mark.parametrize("case", PIECES.values(), ids=PIECES.keys())
 def test_gradients_after_a_forward_in_pieces(case, keep):
@@ -358,6 +362,7 @@ class _NanEmpty(types.ModuleType):
         return x.fill_(float("nan") if x.dtype.is_floating_point else -7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dense", "varlen", "one_chunk"])
 def test_uninitialised_buffers_are_never_read(case):
     """Every buffer that the forward and the backward take from torch.empty is written before anything reads

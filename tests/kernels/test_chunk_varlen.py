@@ -62,6 +62,7 @@ def oracle(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
     return kda_oracle(q, k, v, g, beta, initial_state, scale=scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "index_dtype, with_state",
     [(torch.int32, False), (torch.int64, True)],

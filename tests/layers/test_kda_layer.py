@@ -342,6 +342,7 @@ def test_layer_trains_through_the_triton_kernels_like_the_pytorch_path(monkeypat
         assert (a - b).norm() <= 1e-5 * a.norm(), ((a - b).norm() / a.norm()).item()
 
 
+@pytest.mark.slow
 def test_decoding_steps_train_through_the_recurrent_kernel(monkeypatch):
     """A decoding step that needs gradients runs fused_recurrent_kda too (its backward is chunk_kda's), and
     the input and parameter gradients of three cached steps agree with the PyTorch path within 1e-5."""

@@ -62,6 +62,7 @@ def test_recall_lm_logits_and_input_check():
         MixerConfig(kind="mamba")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["deltanet", "gated_deltanet", "kda"])
 def test_triton_backend_matches_the_chunked_pytorch_forms(kind):
     """The Triton kernel (the interpreter on a CPU) gives the same output and gradients as the PyTorch forms."""
@@ -92,6 +93,7 @@ def test_kernel_dtype_is_checked():
         MixerConfig(kernel_dtype="bfloat16")
 
 
+@pytest.mark.slow
 def test_bfloat16_kernel_stays_close_to_float32():
     """kernel_dtype="bfloat16" rounds q, k, v for the kernel and returns the model's dtype."""
     torch.manual_seed(0)

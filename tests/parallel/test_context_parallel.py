@@ -264,18 +264,21 @@ def four_ranks():
     return run_cases(4, CASES_4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CASES_2)), ids=[c[0] for c in CASES_2])
 def test_two_ranks_match_one_device(two_ranks, i):
     wholes, results = two_ranks
     check_case(wholes[i], results[i], CASES_2[i])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CASES_3)), ids=[c[0] for c in CASES_3])
 def test_three_ranks_match_one_device(three_ranks, i):
     wholes, results, _ = three_ranks
     check_case(wholes[i], results[i], CASES_3[i])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CASES_4)), ids=[c[0] for c in CASES_4])
 def test_four_ranks_match_one_device(four_ranks, i):
     wholes, results = four_ranks

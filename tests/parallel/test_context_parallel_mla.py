@@ -81,6 +81,7 @@ def rel(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"R={c[0]}, T={c[1]}, {c[2]}, {c[3]}" for c in CASES])
 def test_context_parallel_mla_matches_the_layer(runs, i):
     case, per_rank = runs[i]

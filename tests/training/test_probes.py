@@ -42,6 +42,7 @@ def test_float32_gradients_are_within_float32_rounding_of_the_reference():
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradients behind
 
 
+@pytest.mark.slow
 def test_the_reference_is_independent_of_the_models_precision():
     """The probe's reference is float64: for a bf16 kernel path (the Triton interpreter on a CPU, the compiled
     kernels on a GPU) the errors it reports are far above the float32 model's on the same weights (measured on

@@ -170,6 +170,7 @@ def tiny_preset(lengths: list[int]) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_sweep_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
     """A run that raises is listed under "failed" with its traceback; the other runs are trained and saved,
     and the next invocation tries the failed run again (here it fails again: MQAR at T = 64 needs 8 keys)."""
@@ -182,6 +183,7 @@ def test_sweep_records_a_failed_run_and_goes_on(tmp_path, monkeypatch):
     assert out.with_suffix(".csv").read_text().count("\n") == 2  # header and the one finished run
 
 
+@pytest.mark.slow
 def test_sweep_skips_cells_and_refuses_a_graph_preset_on_the_cpu(tmp_path, monkeypatch):
     """`skip` leaves (task, length) cells for a later invocation, which then trains them; a preset that
     replays CUDA graphs raises on the CPU before any run starts (instead of every run failing on its own)."""

@@ -308,6 +308,24 @@ def test_strong_gates_shared_across_channels(gate, dtype):
         assert err <= tol, (name, err)
 
 
+def test_a_gate_below_the_floor_gets_no_gradient():
+    """A gate below GATE_FLOOR (-105 in float32) is raised to it: the output does not depend on it, so its
+    dg is exactly 0 by design (without the zeroing it is what is left of terms that cancel). One step with
+    every key channel at -300, one channel of another step at -1e4, in different chunks; the other
+    gradients stay close to float64 (1e-3, as with strong gates)."""
+    inputs, do, dht = make_inputs(1, 70, 1, 1, 16, 16, seed=3)
+    inputs[3][0, 20, 0, :] = -300.0
+    inputs[3][0, 66, 0, 3] = -1e4
+    ref = oracle(inputs, do, dht)
+    got = grads(chunk_kda, inputs, do, dht)
+    dg = got[3]
+    below = dg[0, 20, 0].abs().max().item(), dg[0, 66, 0, 3].abs().item()
+    assert below == (0.0, 0.0), f"dg of gates below the floor: {below}"
+    for name, x, r in zip(NAMES, got, ref, strict=True):
+        err = rel_rms(x, r)
+        assert torch.isfinite(x).all() and err <= 1e-3, (name, err)
+
+
 @pytest.mark.parametrize("gate", [-5.0, -12.0, -20.0])
 def test_dg_error_is_relative_to_dg(gate):
     """Constant gates: the true dg is about e^gate times the other gradients, so an error that is absolute

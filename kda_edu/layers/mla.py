@@ -278,12 +278,9 @@ def mla_absorbed_reference(
     last = lengths[:, None] - T + torch.arange(T, device=q.device)  # [B, T]: each token's own position
     visible = torch.arange(cache.shape[1], device=q.device) <= last[..., None]  # [B, T, L_max]
     probs = torch.softmax(scores.masked_fill(~visible[:, :, None, :], float("-inf")), dim=-1)
-    # A row that sees a non-finite cached value outputs NaN (a score of -inf alone would weight it zero).
+    # A row that sees a non-finite cached value outputs NaN (a score of -inf alone would weight it zero);
+    # the rows a token does not see (past the length, or a later new token's) are zeroed, so that no
+    # non-finite value there reaches its output as 0 * inf.
     sees_bad = (~torch.isfinite(scores) & visible[:, :, None, :]).any(-1, keepdim=True)  # [B, T, H, 1]
-    if T == 1:
-        out = torch.einsum("bthl,blr->bthr", probs, rows[..., :value_dim])
-    else:  # per token, the rows it does not see are zeroed: a non-finite value cached at a later new token
-        # must not reach an earlier token's output as 0 * inf
-        values = rows[:, None, :, :value_dim].masked_fill(~visible[..., None], 0.0)  # [B, T, L_max, R]
-        out = torch.einsum("bthl,btlr->bthr", probs, values)
-    return out.masked_fill(sees_bad, float("nan"))
+    values = rows[:, None, :, :value_dim].masked_fill(~visible[..., None], 0.0)  # [B, T, L_max, R]
+    return torch.einsum("bthl,btlr->bthr", probs, values).masked_fill(sees_bad, float("nan"))

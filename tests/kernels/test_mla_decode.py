@@ -86,23 +86,32 @@ def test_paged_kernel_equals_the_reference_over_shuffled_shared_blocks(block_siz
     assert err < 1e-5, f"paged kernel vs reference (block_size {block_size}, {splits} splits): {err:.1e}"
 
 
-def test_paged_kernel_reads_nothing_past_a_sequence():
+@pytest.mark.parametrize("T", [1, 2])
+def test_paged_kernel_reads_nothing_past_a_sequence(T):
     """Non-finite rows past each sequence's length (in its last block and in blocks its table names past
-    the end) leave every output finite and unchanged: 1e-6."""
+    the end) leave every output finite and unchanged, for decoding (T = 1) and an append (T = 2); the
+    PyTorch reference over the same rows laid out contiguously alike: 1e-6."""
     from kda_edu.kernels.mla_decode import paged_mla_absorbed_attention
 
-    q, pool, table, lengths, _ = _paged_case(16)
-    clean = paged_mla_absorbed_attention(q, pool, table, lengths, 0.3, 16, num_splits=3)
+    q, pool, table, lengths, _ = _paged_case(16, T=T)
     dirty = pool.clone()
     for b, n in enumerate(lengths.tolist()):
         last = table[b, (n - 1) // 16]
         if b != 0:  # block 0's tail is sequence 1's shared prefix
             dirty[last, (n - 1) % 16 + 1 :] = float("nan")
     dirty[-1] = float("inf")  # the padding id every table ends with
-    out = paged_mla_absorbed_attention(q, dirty, table, lengths, 0.3, 16, num_splits=3)
-    assert torch.isfinite(out).all()
-    err = (out - clean).abs().max().item()
-    assert err < 1e-6, f"outputs with non-finite rows past the lengths vs without: {err:.1e}"
+    slots = torch.arange(3, device=DEVICE)
+    runs = {
+        "kernel": lambda p: paged_mla_absorbed_attention(q, p, table, lengths, 0.3, 16, num_splits=3),
+        "reference": lambda p: mla_absorbed_reference(
+            q, p[table.long()].flatten(1, 2), slots, lengths, 0.3, 16
+        ),
+    }
+    for name, run in runs.items():
+        clean, out = run(pool), run(dirty)
+        assert torch.isfinite(out).all(), name
+        err = (out - clean).abs().max().item()
+        assert err < 1e-6, f"{name}: outputs with non-finite rows past the lengths vs without: {err:.1e}"
 
 
 def test_paged_kernel_arguments_are_named():

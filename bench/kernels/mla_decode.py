@@ -146,8 +146,8 @@ def main():
         q, pool, table, _, lengths = inputs(batch, context)
         base = default_splits(batch, H, table.shape[1] * BLOCK, q.device)
         most = table.shape[1] * BLOCK // 32  # ranges of at least 32 positions
-        splits = {max(1, base // 2), base, 2 * base, 4 * base, 16, 32, 64, 128}
-        grid = itertools.product((32, 64), (4, 8), (1, 2, 3), sorted(n for n in splits if n <= most))
+        counts = {max(1, base // 2), base, 2 * base, 4 * base, 16, 32, 64, 128}
+        grid = itertools.product((32, 64), (4, 8), (1, 2, 3), sorted(n for n in counts if n <= most))
         for bn, warps, stages, splits in grid:
             fn = partial(_launch, q, pool, table, lengths, SCALE, R, splits, bn, warps, stages)
             try:

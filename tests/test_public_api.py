@@ -1,5 +1,5 @@
 """`import kda_edu` gives the model, its layers and the reference operators (and never imports Triton:
-tests/kernels/test_backend.py checks that in a fresh process)."""
+tests/test_backend.py checks that in a fresh process)."""
 
 import torch
 
